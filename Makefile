@@ -1,0 +1,45 @@
+# iwg: every target installs what it needs. `make test` and `make demo` work on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.iwg-installed
+
+.PHONY: setup cluster-bins lint test test-fast demo cluster-up cluster-down crds docs bench clean
+
+setup: $(STAMP)
+
+# uv makes the (large) torch install a hard-linked copy out of its cache on warm machines.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --disable-pip-version-check "uv>=0.4"
+	$(BIN)/uv pip install --python $(BIN)/python -q -e '.[worker,ray,test]'
+	@touch $@
+
+# Kubernetes control plane, etcd, helm and kwok, built from pinned Go modules into a versioned cache.
+cluster-bins:
+	@tests/cluster/build.sh
+
+lint: setup
+	$(BIN)/ruff check operator worker_image tests bench
+	$(BIN)/ruff format --check operator worker_image tests bench
+	$(BIN)/mypy --strict operator/iwg_operator worker_image/iwg_worker
+
+test: lint cluster-bins
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# Without the control plane (unit and runtime tests only), for quick iterations.
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python -m examples.demo
+
+cluster-up: setup cluster-bins
+	$(BIN)/python -m tests.cluster.up
+
+cluster-down: setup
+	$(BIN)/python -m tests.cluster.down
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""iwg operator: reconciles InferenceWorkerGroups into GPU-scheduled worker pods. Never imports torch."""
