@@ -1,0 +1,59 @@
+"""The contract between the operator's pod builders and the processes in those pods.
+
+The operator writes these environment variables; `iwg-worker` and `iwg-driver` read them. One list, so
+neither side can drift from the other.
+"""
+
+from typing import Final
+
+# Identity of the process within its group.
+GROUP: Final = "IWG_GROUP"
+NAMESPACE: Final = "IWG_NAMESPACE"
+REPLICA: Final = "IWG_REPLICA"
+RANK: Final = "IWG_RANK"
+WORLD_SIZE: Final = "IWG_WORLD_SIZE"
+POD_NAME: Final = "IWG_POD_NAME"
+POD_IP: Final = "IWG_POD_IP"
+
+# ZMQ wiring: the driver binds both, workers connect. Values are tcp://host:port (ipc:// locally).
+RPC_ENDPOINT: Final = "IWG_RPC_ENDPOINT"  # driver -> workers: requests (rpc_broadcast_mq)
+RESPONSE_ENDPOINT: Final = "IWG_RESPONSE_ENDPOINT"  # workers -> driver: hello, replies, heartbeats
+
+# CURVE: a directory holding the group's keypair as `curve.key` (secret, Z85) and `curve.pub` (public, Z85),
+# mounted from the group's Secret. Every peer holds the same pair; any other key is refused.
+CURVE_DIR: Final = "IWG_CURVE_DIR"
+CURVE_SECRET_FILE: Final = "curve.key"
+CURVE_PUBLIC_FILE: Final = "curve.pub"
+
+# HTTP for kubelet probes and the operator's prober: /healthz /readyz /metrics.
+HEALTH_PORT: Final = "IWG_HEALTH_PORT"
+DEFAULT_HEALTH_PORT: Final = 8080
+
+# torch.distributed rendezvous for world size > 1 (rank 0's per-pod DNS name via the headless Service).
+MASTER_ADDR: Final = "MASTER_ADDR"
+MASTER_PORT: Final = "MASTER_PORT"
+TORCH_RANK: Final = "RANK"
+TORCH_WORLD_SIZE: Final = "WORLD_SIZE"
+DEFAULT_MASTER_PORT: Final = 29500
+
+# The model and the worker classes.
+MODEL_TASK: Final = "IWG_MODEL_TASK"  # embed | generate
+MODEL_PATH: Final = "IWG_MODEL_PATH"
+SERVED_NAME: Final = "IWG_SERVED_NAME"
+DTYPE: Final = "IWG_DTYPE"  # auto | float32 | float16 | bfloat16
+DEVICE: Final = "IWG_DEVICE"  # auto | cuda | cpu
+WORKER_CLS: Final = "IWG_WORKER_CLS"
+WORKER_EXTENSION_CLS: Final = "IWG_WORKER_EXTENSION_CLS"
+
+# Driver only.
+REPLICAS: Final = "IWG_REPLICAS"
+HTTP_PORT: Final = "IWG_HTTP_PORT"
+MAX_BATCH_SIZE: Final = "IWG_MAX_BATCH_SIZE"
+MAX_WAIT_MS: Final = "IWG_MAX_WAIT_MS"
+MAX_QUEUE: Final = "IWG_MAX_QUEUE"
+ADMIN_TOKEN_FILE: Final = "IWG_ADMIN_TOKEN_FILE"
+
+# Ports the operator opens on pods and Services.
+DEFAULT_RPC_PORT: Final = 5555
+DEFAULT_RESPONSE_PORT: Final = 5556
+DEFAULT_HTTP_PORT: Final = 8000
