@@ -1,0 +1,670 @@
+"""InferenceWorkerGroup v1alpha1: the pydantic models that are the single source of the CRD.
+
+The operator, the driver, `iwg serve` and the CRD generator all read these models. Cross-field rules are
+declared once (`CrossFieldRule`): pydantic checks them in Python, and the CRD generator turns the same rules
+into CEL `x-kubernetes-validations`, so the API server and `iwg serve` reject the same manifests with the
+same messages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+GROUP = "inference.iwg.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceWorkerGroup"
+PLURAL = "inferenceworkergroups"
+SINGULAR = "inferenceworkergroup"
+SHORT_NAMES = ("iwg",)
+
+DEFAULT_WORKER_IMAGE = "ghcr.io/iwg-dev/iwg-worker:0.1.0"
+# Pod names are `<group>-r<replica>-w<rank>` and must stay valid DNS labels (63 characters) for per-pod DNS.
+MAX_GROUP_NAME_LENGTH = 40
+MAX_REPLICAS = 1000
+MAX_WORLD_SIZE = 64
+# A model path may name a directory shipped inside an installed Python package: `pkg:<module>/<subdir>`.
+PACKAGE_PATH_PREFIX = "pkg:"
+
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+CLASS_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+# Environment variables the operator owns (api/wiring.py); a user's `worker.env` may not override them.
+RESERVED_ENV_PREFIX = "IWG_"
+RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def _quantity_to_str(value: object) -> object:
+    if isinstance(value, bool):
+        return value  # rejected by the str check with a clear message
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+# A Kubernetes resource quantity ("2", "500m", "16Gi"); YAML may give it as a number.
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_to_str),
+    Field(pattern=QUANTITY_PATTERN, max_length=64),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """A rule over several fields of one object: `cel` for the API server, `check` for Python.
+
+    `message` names the fields with their full manifest paths; `field_path` (relative to the object, e.g.
+    `.minReplicas`) is the field the API server reports.
+    """
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase in manifests, snake_case in Python, unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+    cross_field_rules: ClassVar[tuple[CrossFieldRule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_cross_field_rules(self) -> ApiModel:
+        for rule in type(self).cross_field_rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The object as it appears in a manifest: camelCase keys, unset optionals left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+class ModelVolume(ApiModel):
+    """A PersistentVolumeClaim holding the model, mounted read-only into every worker pod."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Name of the PersistentVolumeClaim in the group's namespace.",
+    )
+    mount_path: str = Field(
+        default="/models",
+        pattern=r"^/.*",
+        max_length=1024,
+        description="Where the claim is mounted in the worker container; model.path must lie under it.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """The model every worker loads."""
+
+    task: Literal["embed", "generate"] = Field(
+        description="What the model serves: `embed` (/v1/embeddings) or `generate` (/v1/completions)."
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description=(
+            "Directory of the model (config, weights, tokenizer) inside the worker container, or "
+            "`pkg:<module>/<subdir>` for a directory shipped in an installed Python package."
+        ),
+    )
+    volume: ModelVolume | None = Field(
+        default=None, description="Optional PersistentVolumeClaim that provides model.path."
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="Model name clients send in requests; defaults to the group's name.",
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weight and activation dtype; `auto` takes the model's own."
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!has(self.volume) || self.path.startsWith(self.volume.mountPath)",
+            message="spec.model.path must lie under spec.model.volume.mountPath",
+            check=lambda m: m.volume is None or m.path.startswith(m.volume.mount_path),
+            field_path=".path",
+        ),
+        CrossFieldRule(
+            cel="!has(self.volume) || !self.path.startsWith('pkg:')",
+            message="spec.model.path cannot be a pkg: path when spec.model.volume is set",
+            check=lambda m: m.volume is None or not m.path.startswith(PACKAGE_PATH_PREFIX),
+            field_path=".path",
+        ),
+    )
+
+    def resolved_path(self) -> Path:
+        """The model directory on this machine; `pkg:<module>/<subdir>` is looked up without importing it."""
+        if not self.path.startswith(PACKAGE_PATH_PREFIX):
+            return Path(self.path)
+        module, _, subdir = self.path[len(PACKAGE_PATH_PREFIX) :].partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"spec.model.path: Python package {module!r} is not installed")
+        return Path(next(iter(spec.submodule_search_locations))) / subdir
+
+
+# --------------------------------------------------------------------------------------------------- worker
+
+
+class EnvVar(ApiModel):
+    """A plain environment variable for the worker container."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
+    value: str = Field(default="", max_length=4096, description="Variable value.")
+
+
+def _env_is_not_reserved(env: EnvVar) -> bool:
+    return not env.name.startswith(RESERVED_ENV_PREFIX) and env.name not in RESERVED_ENV_NAMES
+
+
+class WorkerSpec(ApiModel):
+    """The worker pods: one per rank of every replica."""
+
+    image: str = Field(
+        default=DEFAULT_WORKER_IMAGE, min_length=1, max_length=512, description="Worker container image."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Pull policy of the worker image."
+    )
+    gpus: int = Field(default=1, ge=0, le=16, description="nvidia.com/gpu per pod; 0 runs on CPU.")
+    cpu: Quantity | None = Field(
+        default=None, description="CPU request and limit per pod (e.g. `4`, `500m`)."
+    )
+    memory: Quantity | None = Field(
+        default=None, description="Memory request and limit per pod (e.g. `32Gi`)."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra environment variables; names starting with IWG_ and the torch rendezvous names are reserved.",
+    )
+    worker_cls: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=CLASS_NAME_PATTERN,
+        description="Qualified name of the WorkerBase implementation; the runtime's default when unset.",
+    )
+    worker_extension_cls: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=CLASS_NAME_PATTERN,
+        description="Qualified name of a mixin class applied to the worker class.",
+    )
+    shm_size: Quantity = Field(default="1Gi", description="Size of /dev/shm (a memory-backed emptyDir).")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto", description="Device the worker runs on; `auto` picks cuda when a GPU is visible."
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.env.all(e, !e.name.startsWith('IWG_') && !(e.name in ['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE']))",
+            message="spec.worker.env must not set IWG_* or MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (the operator sets them)",
+            check=lambda w: all(_env_is_not_reserved(e) for e in w.env),
+            field_path=".env",
+        ),
+        CrossFieldRule(
+            cel="self.gpus > 0 || self.device != 'cuda'",
+            message="spec.worker.device cuda needs spec.worker.gpus > 0",
+            check=lambda w: w.gpus > 0 or w.device != "cuda",
+            field_path=".device",
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+class BatchingSpec(ApiModel):
+    """How the driver groups requests into batches."""
+
+    max_batch_size: int = Field(default=32, ge=1, le=4096, description="Most requests in one batch.")
+    max_wait_ms: int = Field(
+        default=5,
+        ge=0,
+        le=10000,
+        description="Longest a request waits for its batch to fill, in milliseconds.",
+    )
+    max_queue: int = Field(
+        default=1024,
+        ge=1,
+        le=1_000_000,
+        description="Most queued requests; beyond it the driver answers 429.",
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.maxQueue >= self.maxBatchSize",
+            message="spec.driver.batching.maxQueue must be at least spec.driver.batching.maxBatchSize",
+            check=lambda b: b.max_queue >= b.max_batch_size,
+            field_path=".maxQueue",
+        ),
+    )
+
+
+class DriverSpec(ApiModel):
+    """The group's driver: HTTP front end, batcher and ZMQ executor for all replicas."""
+
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512, description="Driver image; the worker image when unset."
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the driver and its Service.")
+    cpu: Quantity | None = Field(default=None, description="CPU request and limit of the driver pod.")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit of the driver pod.")
+    batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Request batching.")
+
+
+# ----------------------------------------------------------------------------------------------- scheduling
+
+
+class Toleration(ApiModel):
+    """A pod toleration (as in core/v1)."""
+
+    key: str | None = Field(
+        default=None, max_length=316, description="Taint key; empty with Exists matches all."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="How the value is matched.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; all effects when unset."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated."
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="spec.scheduling.tolerations[].value must be empty when operator is Exists",
+            check=lambda t: t.operator != "Exists" or not t.value,
+            field_path=".value",
+        ),
+        CrossFieldRule(
+            cel="has(self.key) || self.operator == 'Exists'",
+            message="spec.scheduling.tolerations[].key may only be empty with operator Exists",
+            check=lambda t: t.key is not None or t.operator == "Exists",
+            field_path=".key",
+        ),
+    )
+
+
+class SchedulingSpec(ApiModel):
+    """Where worker pods may run."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=32, description="Node labels every worker pod requires."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Extra tolerations; the nvidia.com/gpu taint is tolerated automatically when gpus > 0.",
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="A core/v1 Affinity merged into every worker pod (co-location terms are added to it).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    gpu_product: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        description="Required value of the node label nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="GPUs of one node, when known; admission then rejects co-located replicas that cannot fit.",
+    )
+    colocate_ranks: bool = Field(
+        default=False, description="Keep all ranks of one replica on one node (required pod affinity)."
+    )
+    priority_class_name: str | None = Field(
+        default=None, max_length=253, description="PriorityClass of the worker pods."
+    )
+    scheduler_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Scheduler of the worker pods; the default scheduler when unset.",
+    )
+
+
+# ------------------------------------------------------------------------------------------ health/scaling
+
+
+class HealthSpec(ApiModel):
+    """How workers are probed and what happens when they fail."""
+
+    period_seconds: int = Field(default=5, ge=1, le=3600, description="Seconds between probes.")
+    timeout_seconds: int = Field(default=3, ge=1, le=600, description="Seconds a probe may take.")
+    failure_threshold: int = Field(
+        default=3, ge=1, le=100, description="Consecutive failed probes before a worker counts as unhealthy."
+    )
+    restart_policy: Literal["Pod", "Replica"] = Field(
+        default="Replica",
+        description="Replace only the failed pod, or every pod of its replica (needed when ranks share state).",
+    )
+    max_restarts: int = Field(
+        default=10,
+        ge=0,
+        le=10000,
+        description="Restart budget per restartWindowSeconds; 0 disables restarts.",
+    )
+    restart_window_seconds: int = Field(
+        default=3600, ge=60, le=604800, description="Window of the restart budget, in seconds."
+    )
+    backoff_seconds: int = Field(
+        default=10,
+        ge=0,
+        le=3600,
+        description="Delay before the first restart of a replica; doubles each time.",
+    )
+    max_backoff_seconds: int = Field(
+        default=300, ge=0, le=86400, description="Upper bound of the restart delay."
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.timeoutSeconds <= self.periodSeconds",
+            message="spec.health.timeoutSeconds must not exceed spec.health.periodSeconds",
+            check=lambda h: h.timeout_seconds <= h.period_seconds,
+            field_path=".timeoutSeconds",
+        ),
+        CrossFieldRule(
+            cel="self.backoffSeconds <= self.maxBackoffSeconds",
+            message="spec.health.backoffSeconds must not exceed spec.health.maxBackoffSeconds",
+            check=lambda h: h.backoff_seconds <= h.max_backoff_seconds,
+            field_path=".backoffSeconds",
+        ),
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """Replicas follow the driver's load (HPA formula: ceil(replicas * current / target))."""
+
+    enabled: bool = Field(default=False, description="Let the operator set spec.replicas from the metric.")
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest replicas.")
+    max_replicas: int = Field(default=8, ge=1, le=MAX_REPLICAS, description="Most replicas.")
+    metric: Literal["queueDepth", "inflight", "latencyP95Ms"] = Field(
+        default="queueDepth", description="Driver metric per replica that is held near target."
+    )
+    target: float = Field(default=4.0, gt=0, le=1e6, description="Target value of the metric per replica.")
+    tolerance: float = Field(
+        default=0.1, ge=0, lt=1, description="Relative deviation from target that causes no scaling."
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Window whose lowest recommendation a scale-up uses."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600, description="Window whose highest recommendation a scale-down uses."
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+            field_path=".minReplicas",
+        ),
+    )
+
+
+class RolloutSpec(ApiModel):
+    """How a change of worker image, env or world size is rolled out."""
+
+    max_unavailable: int = Field(
+        default=1, ge=1, le=MAX_REPLICAS, description="Replicas that may be replaced at the same time."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- spec
+
+
+class InferenceWorkerGroupSpec(ApiModel):
+    """Desired state of an InferenceWorkerGroup."""
+
+    model: ModelSpec = Field(description="The model every worker loads.")
+    replicas: int = Field(
+        default=1, ge=0, le=MAX_REPLICAS, description="Data-parallel replicas (the scale subresource)."
+    )
+    world_size: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks (pods) per replica for tensor/pipeline parallelism.",
+    )
+    worker: WorkerSpec = Field(default_factory=WorkerSpec, description="Worker pods.")
+    driver: DriverSpec = Field(default_factory=DriverSpec, description="The group's driver.")
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec, description="Placement of worker pods."
+    )
+    health: HealthSpec = Field(default_factory=HealthSpec, description="Health checks and restarts.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaling.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rolling replacement.")
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=(
+                "!has(self.scheduling.gpusPerNode) || self.scheduling.gpusPerNode >= "
+                "(self.scheduling.colocateRanks ? self.worldSize * self.worker.gpus : self.worker.gpus)"
+            ),
+            message=(
+                "spec.worker.gpus (times spec.worldSize when spec.scheduling.colocateRanks) "
+                "exceeds spec.scheduling.gpusPerNode"
+            ),
+            check=lambda s: (
+                s.scheduling.gpus_per_node is None
+                or s.scheduling.gpus_per_node
+                >= (s.world_size * s.worker.gpus if s.scheduling.colocate_ranks else s.worker.gpus)
+            ),
+            field_path=".worker.gpus",
+        ),
+        CrossFieldRule(
+            cel="!has(self.scheduling.gpuProduct) || self.worker.gpus > 0",
+            message="spec.scheduling.gpuProduct needs spec.worker.gpus > 0",
+            check=lambda s: s.scheduling.gpu_product is None or s.worker.gpus > 0,
+            field_path=".scheduling.gpuProduct",
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    """A status condition (Ready, Progressing, Degraded, Unschedulable, SpecInvalid)."""
+
+    type: str = Field(max_length=64, description="Condition type.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
+    reason: str = Field(default="", max_length=128, description="Machine-readable reason, CamelCase.")
+    message: str = Field(default="", max_length=4096, description="Human-readable details.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the condition is for."
+    )
+
+
+class ReplicaStatus(ApiModel):
+    """Summary of one data-parallel replica."""
+
+    index: int = Field(ge=0, description="Replica index.")
+    pods: int = Field(default=0, ge=0, description="Pods that exist for this replica.")
+    ready_pods: int = Field(default=0, ge=0, description="Pods of this replica that are ready.")
+    ready: bool = Field(default=False, description="All ranks exist, run the current revision and are ready.")
+    revision: str = Field(default="", description="Pod template revision of this replica's pods.")
+    nodes: list[str] = Field(default_factory=list, description="Nodes the replica's pods are bound to.")
+
+
+class InferenceWorkerGroupStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: Literal["Pending", "Progressing", "Running", "Degraded", "Failed"] | None = Field(
+        default=None, description="Pending, Progressing, Running, Degraded or Failed."
+    )
+    replicas: int | None = Field(default=None, ge=0, description="Replicas that have at least one pod.")
+    ready_replicas: int | None = Field(default=None, ge=0, description="Replicas whose ranks are all ready.")
+    updated_replicas: int | None = Field(default=None, ge=0, description="Replicas at the current revision.")
+    world_size: int | None = Field(default=None, description="World size of the current revision.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the worker pods (scale subresource)."
+    )
+    revision: str | None = Field(default=None, description="Current pod template revision.")
+    observed_generation: int | None = Field(default=None, description="Last metadata.generation acted upon.")
+    replica_statuses: list[ReplicaStatus] = Field(default_factory=list, description="Per-replica summary.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ...")
+    restart_count: int | None = Field(
+        default=None, ge=0, description="Pods or replicas replaced by the prober."
+    )
+    scale_count: int | None = Field(default=None, ge=0, description="Times the autoscaler changed replicas.")
+    last_scale_time: str | None = Field(
+        default=None, description="When the autoscaler last changed replicas."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ top level
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata the group needs; everything else is kept as given."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=MAX_GROUP_NAME_LENGTH, pattern=DNS_LABEL_PATTERN)
+    namespace: str = Field(default="default", min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceWorkerGroup(BaseModel):
+    """A group of model-inference workers: `replicas` data-parallel replicas of `worldSize` ranks each."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+
+    api_version: Literal["inference.iwg.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["InferenceWorkerGroup"]
+    metadata: ObjectMeta
+    spec: InferenceWorkerGroupSpec
+    status: InferenceWorkerGroupStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.metadata.name
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+class ManifestError(ValueError):
+    """A manifest that is not a valid InferenceWorkerGroup; `errors` are (field path, message) pairs."""
+
+    def __init__(self, source: str, errors: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.errors = errors
+        lines = "\n".join(f"  {path}: {message}" for path, message in errors)
+        super().__init__(f"invalid InferenceWorkerGroup {source}:\n{lines}")
+
+
+def _field_path(loc: tuple[int | str, ...], prefix: tuple[str, ...] = ()) -> str:
+    path = ""
+    for part in (*prefix, *loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "(root)"
+
+
+def format_validation_error(error: ValidationError, prefix: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """Turn pydantic's errors into (manifest field path, message) pairs, e.g. ('spec.worker.gpus', ...)."""
+    result = []
+    for item in error.errors():
+        message = str(item["msg"]).removeprefix("Value error, ")
+        result.append((_field_path(tuple(item["loc"]), prefix), message))
+    return result
+
+
+def parse_spec(spec: Mapping[str, Any]) -> InferenceWorkerGroupSpec:
+    """Validate a group's `spec` (as the operator receives it); errors name fields as `spec.<...>`."""
+    try:
+        return InferenceWorkerGroupSpec.model_validate(dict(spec))
+    except ValidationError as error:
+        raise ManifestError("spec", format_validation_error(error, ("spec",))) from None
+
+
+def load_manifest(source: str | Path | Mapping[str, Any]) -> InferenceWorkerGroup:
+    """Load and validate a full InferenceWorkerGroup manifest from a YAML file path or a dict.
+
+    Raises ManifestError whose message lists every bad field by its manifest path (`spec.worker.gpus: ...`).
+    A YAML file must hold exactly one document.
+    """
+    if isinstance(source, Mapping):
+        label, data = "manifest", dict(source)
+    else:
+        label = str(source)
+        try:
+            documents = [d for d in yaml.safe_load_all(Path(source).read_text()) if d is not None]
+        except OSError as error:
+            raise ManifestError(label, [("(file)", error.strerror or str(error))]) from None
+        except yaml.YAMLError as error:
+            raise ManifestError(label, [("(yaml)", str(error))]) from None
+        if len(documents) != 1:
+            raise ManifestError(label, [("(file)", f"expected one YAML document, found {len(documents)}")])
+        data = documents[0]
+        if not isinstance(data, dict):
+            raise ManifestError(label, [("(root)", "expected a mapping")])
+    try:
+        return InferenceWorkerGroup.model_validate(data)
+    except ValidationError as error:
+        raise ManifestError(label, format_validation_error(error)) from None
