@@ -41,5 +41,9 @@ cluster-up: setup cluster-bins
 cluster-down: setup
 	$(BIN)/python -m tests.cluster.down
 
+# The CRD and its reference page, generated from the pydantic models (a test fails when they drift).
+crds: setup
+	$(BIN)/python -m iwg_operator.crdgen
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

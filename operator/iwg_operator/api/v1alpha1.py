@@ -20,11 +20,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationError,
     WithJsonSchema,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 GROUP = "inference.iwg.dev"
 VERSION = "v1alpha1"
@@ -105,6 +108,20 @@ class ApiModel(BaseModel):
             if not rule.check(self):
                 raise ValueError(rule.message)
         return self
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        rules = cls.__dict__.get("cross_field_rules", ())
+        if rules:
+            target = handler.resolve_ref_schema(schema)
+            target["x-kubernetes-validations"] = [
+                {"rule": r.cel, "message": r.message} | ({"fieldPath": r.field_path} if r.field_path else {})
+                for r in rules
+            ]
+        return schema
 
     def to_manifest(self) -> dict[str, Any]:
         """The object as it appears in a manifest: camelCase keys, unset optionals left out."""
@@ -238,7 +255,7 @@ class WorkerSpec(ApiModel):
 
     cross_field_rules = (
         CrossFieldRule(
-            cel="self.env.all(e, !e.name.startsWith('IWG_') && !(e.name in ['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE']))",
+            cel="!has(self.env) || self.env.all(e, !e.name.startsWith('IWG_') && !(e.name in ['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE']))",
             message="spec.worker.env must not set IWG_* or MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (the operator sets them)",
             check=lambda w: all(_env_is_not_reserved(e) for e in w.env),
             field_path=".env",
