@@ -22,6 +22,8 @@ from iwg_operator.api import v1alpha1 as api
 
 CRD_PATH = Path("crds") / f"{api.GROUP}_{api.PLURAL}.yaml"
 REFERENCE_PATH = Path("docs") / "crd-reference.md"
+# The Helm chart installs the same CRD (helm/iwg-operator/crds/): generated here, never edited by hand.
+CHART_CRD_PATH = Path("helm") / "iwg-operator" / CRD_PATH
 
 _DROPPED_KEYS = {"title", "additionalProperties"}
 _OBJECT_KEY_ORDER = ("description", "type")
@@ -286,7 +288,7 @@ def render_reference() -> str:
 
 
 def outputs() -> dict[Path, str]:
-    return {CRD_PATH: render_crd(), REFERENCE_PATH: render_reference()}
+    return {CRD_PATH: render_crd(), CHART_CRD_PATH: render_crd(), REFERENCE_PATH: render_reference()}
 
 
 def main(argv: list[str] | None = None) -> int:

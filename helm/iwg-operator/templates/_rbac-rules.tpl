@@ -1,0 +1,46 @@
+{{/*
+What the operator does with the API, and nothing more (tests/helm/test_install.py runs the operator with
+these rules and fails on any 403 and on any rule it never exercised). No wildcards.
+*/}}
+
+{{/* Rules in every namespace the operator handles. */}}
+{{- define "iwg-operator.namespacedRules" -}}
+# Kopf: watch the groups, patch their finalizers, annotations and status.
+- apiGroups: [inference.iwg.dev]
+  resources: [inferenceworkergroups]
+  verbs: [list, watch, patch]
+- apiGroups: [inference.iwg.dev]
+  resources: [inferenceworkergroups/status]
+  verbs: [patch]
+# Worker pods: an index fed by a watch, created and replaced one by one.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, create, delete]
+# The group's children: driver Deployment, Services, CURVE Secret, ConfigMap, NetworkPolicy, PDB.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+# Kubernetes Events for what the operator did.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* Cluster-scoped rules: Kopf observes CRDs to find the resources it serves. */}}
+{{- define "iwg-operator.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end -}}
