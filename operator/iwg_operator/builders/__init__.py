@@ -1,0 +1,28 @@
+"""Pure builders: (group spec, observed state) -> the Kubernetes objects the group should own."""
+
+from iwg_operator.builders.common import BuildSettings, Group, Manifest, pod_name
+from iwg_operator.builders.driver import driver_deployment, driver_service
+from iwg_operator.builders.support import (
+    config_map,
+    curve_secret,
+    headless_service,
+    network_policy,
+    pod_disruption_budget,
+)
+from iwg_operator.builders.workers import revision, worker_pod
+
+__all__ = [
+    "BuildSettings",
+    "Group",
+    "Manifest",
+    "config_map",
+    "curve_secret",
+    "driver_deployment",
+    "driver_service",
+    "headless_service",
+    "network_policy",
+    "pod_disruption_budget",
+    "pod_name",
+    "revision",
+    "worker_pod",
+]

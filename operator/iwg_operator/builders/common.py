@@ -1,0 +1,174 @@
+"""What every builder shares: the group as builders see it, object names, ownership and hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from iwg_operator import labels
+from iwg_operator.api import v1alpha1 as api
+from iwg_operator.api import wiring
+
+Manifest = dict[str, Any]
+
+CURVE_MOUNT = "/etc/iwg/curve"
+CONFIG_MOUNT = "/etc/iwg/config"
+ADMIN_TOKEN_KEY = "admin.token"
+CONFIG_KEY = "group.json"
+RUN_AS_USER = 1000
+
+
+@dataclass(frozen=True)
+class Group:
+    """The group as the builders need it: identity plus the validated spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: api.InferenceWorkerGroupSpec
+    generation: int = 1
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.name
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Cluster facts the builders cannot read from the spec."""
+
+    cluster_domain: str = "cluster.local"
+    operator_namespace: str = "iwg-system"
+    operator_pod_labels: dict[str, str] = field(default_factory=lambda: dict(labels.OPERATOR_POD_LABELS))
+
+
+def pod_name(group: str, replica: int, rank: int) -> str:
+    return f"{group}-r{replica}-w{rank}"
+
+
+def driver_name(group: str) -> str:
+    return f"{group}-driver"
+
+
+def headless_service_name(group: str) -> str:
+    return f"{group}-workers"
+
+
+def secret_name(group: str) -> str:
+    return f"{group}-curve"
+
+
+def config_map_name(group: str) -> str:
+    return f"{group}-config"
+
+
+def network_policy_name(group: str) -> str:
+    return f"{group}-workers"
+
+
+def pdb_name(group: str) -> str:
+    return f"{group}-workers"
+
+
+def driver_host(group: Group, settings: BuildSettings) -> str:
+    return f"{driver_name(group.name)}.{group.namespace}.svc.{settings.cluster_domain}"
+
+
+def pod_host(group: Group, replica: int, rank: int, settings: BuildSettings) -> str:
+    """Per-pod DNS name through the headless Service (hostname + subdomain)."""
+    service = headless_service_name(group.name)
+    return f"{pod_name(group.name, replica, rank)}.{service}.{group.namespace}.svc.{settings.cluster_domain}"
+
+
+def owner_reference(group: Group) -> Manifest:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": group.name,
+        "uid": group.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(group: Group, name: str, component: str, extra_labels: dict[str, str] | None = None) -> Manifest:
+    return {
+        "name": name,
+        "namespace": group.namespace,
+        "labels": labels.group_labels(group.name, component) | (extra_labels or {}),
+        "ownerReferences": [owner_reference(group)],
+    }
+
+
+def stable_hash(value: object, length: int = 10) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def with_spec_hash(manifest: Manifest) -> Manifest:
+    """Stamp a child with the hash of its desired content, so an unchanged child is never written."""
+    digest = stable_hash(manifest, 16)
+    annotations = manifest["metadata"].setdefault("annotations", {})
+    annotations[labels.SPEC_HASH] = digest
+    return manifest
+
+
+def restricted_container_security() -> Manifest:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def restricted_pod_security() -> Manifest:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def resources(cpu: str | None, memory: str | None, gpus: int = 0) -> Manifest:
+    amounts: dict[str, str] = {}
+    if cpu is not None:
+        amounts["cpu"] = cpu
+    if memory is not None:
+        amounts["memory"] = memory
+    if gpus:
+        amounts["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def field_env(name: str, field_path: str) -> Manifest:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def model_env(group: Group) -> list[Manifest]:
+    model = group.spec.model
+    env = [
+        {"name": wiring.MODEL_TASK, "value": model.task},
+        {"name": wiring.MODEL_PATH, "value": model.path},
+        {"name": wiring.SERVED_NAME, "value": group.served_name},
+        {"name": wiring.DTYPE, "value": model.dtype},
+    ]
+    return env
+
+
+def model_volume(group: Group) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) for the model's PersistentVolumeClaim, if the spec names one."""
+    volume = group.spec.model.volume
+    if volume is None:
+        return [], []
+    return (
+        [{"name": "model", "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": True}}],
+        [{"name": "model", "mountPath": volume.mount_path, "readOnly": True}],
+    )

@@ -1,0 +1,124 @@
+"""The group's supporting objects: headless Service, CURVE Secret, ConfigMap, NetworkPolicy, PDB."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from iwg_operator import labels
+from iwg_operator.api import wiring
+from iwg_operator.builders.common import (
+    ADMIN_TOKEN_KEY,
+    CONFIG_KEY,
+    BuildSettings,
+    Group,
+    Manifest,
+    config_map_name,
+    headless_service_name,
+    metadata,
+    network_policy_name,
+    pdb_name,
+    secret_name,
+    with_spec_hash,
+)
+from iwg_operator.builders.workers import revision
+
+
+def headless_service(group: Group) -> Manifest:
+    """Per-pod DNS for the workers (rank 0 is the torch.distributed rendezvous)."""
+    manifest: Manifest = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(group, headless_service_name(group.name), labels.COMPONENT_WORKER),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks need each other's names before any of them is ready.
+            "publishNotReadyAddresses": True,
+            "selector": labels.worker_selector(group.name),
+            "ports": [
+                {"name": "rendezvous", "port": wiring.DEFAULT_MASTER_PORT, "protocol": "TCP"},
+                {"name": "health", "port": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+    return with_spec_hash(manifest)
+
+
+def curve_secret(group: Group, public_key: bytes, secret_key: bytes, admin_token: str) -> Manifest:
+    """The group's CURVE keypair (Z85) and the driver's admin token. Immutable: never rotated by accident."""
+
+    def encode(value: bytes) -> str:
+        return base64.b64encode(value).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(group, secret_name(group.name), labels.COMPONENT_WORKER),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {
+            wiring.CURVE_PUBLIC_FILE: encode(public_key),
+            wiring.CURVE_SECRET_FILE: encode(secret_key),
+            ADMIN_TOKEN_KEY: encode(admin_token.encode()),
+        },
+    }
+
+
+def config_map(group: Group, settings: BuildSettings) -> Manifest:
+    """The validated spec (defaults filled in) and revision, for the processes in the group's pods."""
+    manifest: Manifest = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(group, config_map_name(group.name), labels.COMPONENT_WORKER),
+        "data": {
+            CONFIG_KEY: json.dumps(
+                {"name": group.name, "namespace": group.namespace, "spec": group.spec.to_manifest()},
+                sort_keys=True,
+                indent=1,
+            ),
+            "revision": revision(group, settings),
+        },
+    }
+    return with_spec_hash(manifest)
+
+
+def network_policy(group: Group, settings: BuildSettings) -> Manifest:
+    """Worker ports admit only the group's own pods (workers, driver) and the operator (prober)."""
+    manifest: Manifest = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(group, network_policy_name(group.name), labels.COMPONENT_WORKER),
+        "spec": {
+            "podSelector": {"matchLabels": labels.worker_selector(group.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {labels.GROUP: group.name}}}]},
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}
+                            },
+                            "podSelector": {"matchLabels": dict(settings.operator_pod_labels)},
+                        }
+                    ],
+                    "ports": [{"port": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"}],
+                },
+            ],
+        },
+    }
+    return with_spec_hash(manifest)
+
+
+def pod_disruption_budget(group: Group) -> Manifest:
+    """Voluntary evictions may take at most rollout.maxUnavailable replicas' worth of pods at once."""
+    manifest: Manifest = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(group, pdb_name(group.name), labels.COMPONENT_WORKER),
+        "spec": {
+            "maxUnavailable": group.spec.rollout.max_unavailable * group.spec.world_size,
+            "selector": {"matchLabels": labels.worker_selector(group.name)},
+        },
+    }
+    return with_spec_hash(manifest)

@@ -1,0 +1,211 @@
+"""Worker pods: one per (replica, rank), named `<group>-r<replica>-w<rank>`."""
+
+from __future__ import annotations
+
+import copy
+
+from iwg_operator import labels
+from iwg_operator.api import wiring
+from iwg_operator.builders.common import (
+    CONFIG_MOUNT,
+    CURVE_MOUNT,
+    BuildSettings,
+    Group,
+    Manifest,
+    config_map_name,
+    driver_host,
+    field_env,
+    headless_service_name,
+    metadata,
+    model_env,
+    model_volume,
+    pod_host,
+    pod_name,
+    resources,
+    restricted_container_security,
+    restricted_pod_security,
+    secret_name,
+    stable_hash,
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+HEALTH_PORT_NAME = "health"
+# Model loading can take minutes; the startup probe holds liveness off until the worker first answers.
+STARTUP_PROBE_BUDGET_SECONDS = 900
+
+
+def revision(group: Group, settings: BuildSettings) -> str:
+    """Hash of everything that shapes a worker pod; pods of another revision are rolled."""
+    spec = group.spec
+    shaping = {
+        "model": spec.model.to_manifest(),
+        "worldSize": spec.world_size,
+        "worker": spec.worker.to_manifest(),
+        "scheduling": spec.scheduling.to_manifest(),
+        "health": {
+            "period": spec.health.period_seconds,
+            "timeout": spec.health.timeout_seconds,
+            "failures": spec.health.failure_threshold,
+        },
+        "domain": settings.cluster_domain,
+    }
+    return stable_hash(shaping)
+
+
+def worker_env(group: Group, replica: int, rank: int, settings: BuildSettings) -> list[Manifest]:
+    spec = group.spec
+    driver = driver_host(group, settings)
+    env: list[Manifest] = [
+        {"name": wiring.GROUP, "value": group.name},
+        field_env(wiring.NAMESPACE, "metadata.namespace"),
+        field_env(wiring.POD_NAME, "metadata.name"),
+        field_env(wiring.POD_IP, "status.podIP"),
+        {"name": wiring.REPLICA, "value": str(replica)},
+        {"name": wiring.RANK, "value": str(rank)},
+        {"name": wiring.WORLD_SIZE, "value": str(spec.world_size)},
+        {"name": wiring.RPC_ENDPOINT, "value": f"tcp://{driver}:{wiring.DEFAULT_RPC_PORT}"},
+        {"name": wiring.RESPONSE_ENDPOINT, "value": f"tcp://{driver}:{wiring.DEFAULT_RESPONSE_PORT}"},
+        {"name": wiring.CURVE_DIR, "value": CURVE_MOUNT},
+        {"name": wiring.HEALTH_PORT, "value": str(wiring.DEFAULT_HEALTH_PORT)},
+        {"name": wiring.MASTER_ADDR, "value": pod_host(group, replica, 0, settings)},
+        {"name": wiring.MASTER_PORT, "value": str(wiring.DEFAULT_MASTER_PORT)},
+        {"name": wiring.TORCH_RANK, "value": str(rank)},
+        {"name": wiring.TORCH_WORLD_SIZE, "value": str(spec.world_size)},
+        *model_env(group),
+        {"name": wiring.DEVICE, "value": spec.worker.device},
+    ]
+    if spec.worker.worker_cls:
+        env.append({"name": wiring.WORKER_CLS, "value": spec.worker.worker_cls})
+    if spec.worker.worker_extension_cls:
+        env.append({"name": wiring.WORKER_EXTENSION_CLS, "value": spec.worker.worker_extension_cls})
+    env.append({"name": "HOME", "value": "/tmp"})
+    env.extend({"name": e.name, "value": e.value} for e in spec.worker.env)
+    return env
+
+
+def tolerations(group: Group) -> list[Manifest]:
+    result = [t.to_manifest() for t in group.spec.scheduling.tolerations]
+    if group.spec.worker.gpus > 0:
+        # As the ExtendedResourceToleration admission plugin would: GPU nodes carry this taint.
+        result.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return result
+
+
+def node_selector(group: Group) -> dict[str, str]:
+    selector = dict(group.spec.scheduling.node_selector)
+    if group.spec.scheduling.gpu_product:
+        selector[GPU_PRODUCT_LABEL] = group.spec.scheduling.gpu_product
+    return selector
+
+
+def affinity(group: Group, replica: int) -> Manifest | None:
+    """The user's affinity plus, when asked, a required pod affinity keeping one replica on one node."""
+    scheduling = group.spec.scheduling
+    result: Manifest = copy.deepcopy(scheduling.affinity) if scheduling.affinity else {}
+    if scheduling.colocate_ranks and group.spec.world_size > 1:
+        pod_affinity = result.setdefault("podAffinity", {})
+        terms = pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+        terms.append(
+            {
+                "labelSelector": {"matchLabels": {labels.GROUP: group.name, labels.REPLICA: str(replica)}},
+                "topologyKey": HOSTNAME_TOPOLOGY,
+            }
+        )
+    return result or None
+
+
+def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -> Manifest:
+    spec = group.spec
+    name = pod_name(group.name, replica, rank)
+    rev = revision(group, settings)
+    meta = metadata(
+        group,
+        name,
+        labels.COMPONENT_WORKER,
+        {labels.REPLICA: str(replica), labels.RANK: str(rank), labels.REVISION: rev},
+    )
+    meta["annotations"] = {labels.WORLD_SIZE_ANNOTATION: str(spec.world_size)}
+    model_volumes, model_mounts = model_volume(group)
+    health = spec.health
+    http_get = {"port": HEALTH_PORT_NAME, "scheme": "HTTP"}
+    container: Manifest = {
+        "name": "worker",
+        "image": spec.worker.image,
+        "imagePullPolicy": spec.worker.image_pull_policy,
+        "command": ["iwg-worker"],
+        "env": worker_env(group, replica, rank, settings),
+        "ports": [
+            {"name": HEALTH_PORT_NAME, "containerPort": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": wiring.DEFAULT_MASTER_PORT, "protocol": "TCP"},
+        ],
+        "resources": resources(spec.worker.cpu, spec.worker.memory, spec.worker.gpus),
+        "startupProbe": {
+            "httpGet": {**http_get, "path": "/healthz"},
+            "periodSeconds": health.period_seconds,
+            "timeoutSeconds": health.timeout_seconds,
+            "failureThreshold": max(1, STARTUP_PROBE_BUDGET_SECONDS // health.period_seconds),
+        },
+        "livenessProbe": {
+            "httpGet": {**http_get, "path": "/healthz"},
+            "periodSeconds": health.period_seconds,
+            "timeoutSeconds": health.timeout_seconds,
+            "failureThreshold": health.failure_threshold,
+        },
+        "readinessProbe": {
+            "httpGet": {**http_get, "path": "/readyz"},
+            "periodSeconds": health.period_seconds,
+            "timeoutSeconds": health.timeout_seconds,
+            "failureThreshold": health.failure_threshold,
+        },
+        "securityContext": restricted_container_security(),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True},
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            *model_mounts,
+        ],
+    }
+    pod_spec: Manifest = {
+        "hostname": name,
+        "subdomain": headless_service_name(group.name),
+        "restartPolicy": "Always",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": restricted_pod_security(),
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.worker.shm_size}},
+            {"name": "tmp", "emptyDir": {}},
+            {
+                "name": "curve",
+                "secret": {
+                    "secretName": secret_name(group.name),
+                    "defaultMode": 0o440,
+                    "items": [
+                        {"key": wiring.CURVE_SECRET_FILE, "path": wiring.CURVE_SECRET_FILE},
+                        {"key": wiring.CURVE_PUBLIC_FILE, "path": wiring.CURVE_PUBLIC_FILE},
+                    ],
+                },
+            },
+            {"name": "config", "configMap": {"name": config_map_name(group.name)}},
+            *model_volumes,
+        ],
+    }
+    selector = node_selector(group)
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    tolerated = tolerations(group)
+    if tolerated:
+        pod_spec["tolerations"] = tolerated
+    placement = affinity(group, replica)
+    if placement:
+        pod_spec["affinity"] = placement
+    if spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    if spec.scheduling.scheduler_name:
+        pod_spec["schedulerName"] = spec.scheduling.scheduler_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

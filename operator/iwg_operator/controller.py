@@ -1,0 +1,478 @@
+"""The reconciler: one serial loop per group that applies the difference between desired and observed.
+
+Kopf handlers only feed it (group bodies, spec acceptance, pod changes); it never lists anything: pods come
+from Kopf's in-memory pod index. Bursts of events are coalesced; a group is never reconciled twice at once.
+Writes happen only when something differs: children carry a hash of their desired content, pods have
+deterministic names (a second create is a harmless 409), and status is patched only when it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import zmq
+
+from iwg_operator import builders, labels, planning, status
+from iwg_operator.api import v1alpha1 as api
+from iwg_operator.builders.common import secret_name, stable_hash
+from iwg_operator.kube import (
+    CONFIG_MAPS,
+    DEPLOYMENTS,
+    EVENTS,
+    GROUPS,
+    NETWORK_POLICIES,
+    POD_DISRUPTION_BUDGETS,
+    PODS,
+    SECRETS,
+    SERVICES,
+    ApiError,
+    KubeApi,
+    Resource,
+    gather_limited,
+)
+
+log = logging.getLogger("iwg_operator.controller")
+
+GroupKey = tuple[str, str]  # (namespace, name)
+PodLookup = Callable[[GroupKey], Iterable[planning.ObservedPod]]
+
+DEBOUNCE_SECONDS = 0.05
+EXPECTATION_SECONDS = 30.0
+WRITE_CONCURRENCY = 16
+MIN_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 300.0
+
+
+class ReconcileRefused(Exception):
+    """The API server refused part of the plan (invalid pod, missing PriorityClass, name taken...)."""
+
+
+@dataclass
+class GroupState:
+    key: GroupKey
+    body: Mapping[str, Any]
+    group: builders.Group | None = None
+    children_hash: str | None = None
+    expected_present: dict[str, float] = field(default_factory=dict)  # pod name -> deadline
+    expected_gone: dict[str, float] = field(default_factory=dict)  # pod uid -> deadline
+    trigger: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    backoff: float = 0.0
+    posted: dict[str, str] = field(default_factory=dict)  # event reason -> last message, to post once
+
+    @property
+    def current_status(self) -> Mapping[str, Any]:
+        return self.body.get("status") or {}
+
+    @property
+    def generation(self) -> int:
+        return int(self.body.get("metadata", {}).get("generation") or 1)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def group_from_body(body: Mapping[str, Any]) -> builders.Group:
+    """Validate a group body (raises api.ManifestError naming the field)."""
+    metadata = body.get("metadata", {})
+    spec = api.parse_spec(body.get("spec") or {})
+    return builders.Group(
+        name=str(metadata["name"]),
+        namespace=str(metadata["namespace"]),
+        uid=str(metadata.get("uid", "")),
+        spec=spec,
+        generation=int(metadata.get("generation") or 1),
+    )
+
+
+class Controller:
+    def __init__(self, kube: KubeApi, settings: builders.BuildSettings | None = None) -> None:
+        self.kube = kube
+        self.settings = settings or builders.BuildSettings()
+        self.groups: dict[GroupKey, GroupState] = {}
+        self._pods: PodLookup = lambda key: ()
+
+    # ------------------------------------------------------------------ fed by the handlers
+
+    def bind_pod_index(self, lookup: PodLookup) -> None:
+        self._pods = lookup
+
+    def observe_group(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Every watch event of a group: keep its latest body; a new generation wakes the loop."""
+        key = _key(body)
+        if event_type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+            self.forget(key)
+            return
+        state = self.groups.get(key)
+        if state is None:
+            self.groups[key] = GroupState(key=key, body=body)
+            return
+        changed = state.generation != int(body.get("metadata", {}).get("generation") or 1)
+        state.body = body
+        if changed:
+            self._wake(state)
+
+    def accept(self, body: Mapping[str, Any], group: builders.Group) -> None:
+        """A valid spec (create, update, resume): reconcile towards it."""
+        state = self.groups.setdefault(group_key := _key(body), GroupState(key=group_key, body=body))
+        state.body = body if _generation(body) >= state.generation else state.body
+        state.group = group
+        state.backoff = 0.0
+        if state.task is None or state.task.done():
+            state.task = asyncio.create_task(
+                self._run(state), name=f"reconcile {group_key[0]}/{group_key[1]}"
+            )
+        self._wake(state)
+
+    async def reject(self, body: Mapping[str, Any], message: str) -> None:
+        """An invalid spec the API server could not catch: stop reconciling, mark it, tell the user once."""
+        key = _key(body)
+        state = self.groups.setdefault(key, GroupState(key=key, body=body))
+        state.body = body
+        state.group = None
+        desired = status.invalid_spec_status(
+            key[1], state.generation, message, state.current_status, now_rfc3339()
+        )
+        await self._write_status(state, desired)
+        await self._event(state, "Warning", "SpecInvalid", message)
+
+    def pods_changed(self, key: GroupKey) -> None:
+        state = self.groups.get(key)
+        if state is not None and state.group is not None:
+            self._wake(state)
+
+    def forget(self, key: GroupKey) -> None:
+        state = self.groups.pop(key, None)
+        if state is not None and state.task is not None:
+            state.task.cancel()
+
+    async def close(self) -> None:
+        tasks = [s.task for s in self.groups.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.kube.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _wake(self, state: GroupState) -> None:
+        state.trigger.set()
+
+    def _wake_later(self, state: GroupState, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, state.trigger.set)
+
+    async def _run(self, state: GroupState) -> None:
+        while True:
+            await state.trigger.wait()
+            await asyncio.sleep(DEBOUNCE_SECONDS)
+            state.trigger.clear()
+            if state.group is None:
+                continue
+            try:
+                recheck = await self.reconcile(state)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # a retry with backoff, never a crash of the operator
+                state.backoff = min(max(state.backoff * 2, MIN_BACKOFF_SECONDS), MAX_BACKOFF_SECONDS)
+                log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *state.key, state.backoff, error)
+                self._wake_later(state, state.backoff)
+                continue
+            state.backoff = 0.0
+            if recheck is not None:
+                self._wake_later(state, recheck)
+
+    async def reconcile(self, state: GroupState) -> float | None:
+        """One pass; returns seconds until a recheck is needed (pending expectations), or None."""
+        group = state.group
+        assert group is not None
+        failure: str | None = None
+        try:
+            await self._ensure_children(state, group)
+        except ReconcileRefused as error:
+            failure = str(error)
+
+        desired = planning.Desired(
+            replicas=group.spec.replicas,
+            world_size=group.spec.world_size,
+            revision=builders.revision(group, self.settings),
+            max_unavailable=group.spec.rollout.max_unavailable,
+        )
+        pods = self._observed_pods(state, desired)
+        plan = planning.plan_pods(desired, pods)
+        if failure is None and not plan.empty:
+            failure = await self._apply_plan(state, group, plan)
+            pods = self._observed_pods(state, desired)
+            plan = planning.plan_pods(desired, pods)
+
+        new_status = status.group_status(
+            group.name, group.generation, desired, pods, plan, state.current_status, now_rfc3339(), failure
+        )
+        await self._write_status(state, new_status)
+        await self._report_unschedulable(state, pods)
+        if failure is not None:
+            await self._event(state, "Warning", "ReconcileFailed", failure)
+            raise ReconcileRefused(failure)
+        state.posted.pop("ReconcileFailed", None)
+        if state.expected_present or state.expected_gone:
+            return EXPECTATION_SECONDS
+        return None
+
+    # ------------------------------------------------------------------ observed state
+
+    def _observed_pods(self, state: GroupState, desired: planning.Desired) -> list[planning.ObservedPod]:
+        """The index's pods, corrected by what this operator just did and the watch has not shown yet."""
+        clock = time.monotonic()
+        indexed = list(self._pods(state.key))
+        by_name = {pod.name: pod for pod in indexed}
+        for name, deadline in list(state.expected_present.items()):
+            if name in by_name or deadline < clock:
+                del state.expected_present[name]
+        live_uids = {pod.uid for pod in indexed if not pod.terminating}
+        for uid, deadline in list(state.expected_gone.items()):
+            if uid not in live_uids or deadline < clock:
+                del state.expected_gone[uid]
+        result = [
+            planning.ObservedPod(**{**pod.__dict__, "terminating": True})
+            if pod.uid in state.expected_gone
+            else pod
+            for pod in indexed
+        ]
+        for name in state.expected_present:
+            replica, rank = _replica_rank(name)
+            result.append(
+                planning.ObservedPod(
+                    name=name, group=state.key[1], replica=replica, rank=rank, revision=desired.revision
+                )
+            )
+        return result
+
+    # ------------------------------------------------------------------ writes
+
+    async def _apply_plan(
+        self, state: GroupState, group: builders.Group, plan: planning.PodPlan
+    ) -> str | None:
+        namespace = group.namespace
+        deletions = await gather_limited(
+            WRITE_CONCURRENCY, *(self.kube.delete(PODS, namespace, pod.name, pod.uid) for pod in plan.delete)
+        )
+        deadline = time.monotonic() + EXPECTATION_SECONDS
+        for pod, result in zip(plan.delete, deletions, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            state.expected_gone[pod.uid] = deadline
+        if plan.scale_down:
+            await self._event(
+                state, "Normal", "ScaledDown", f"removing replicas {_ranges(plan.scale_down)}", once=False
+            )
+        if plan.replace:
+            await self._event(
+                state,
+                "Normal",
+                "ReplacingReplicas",
+                f"replacing replicas {_ranges(plan.replace)}",
+                once=False,
+            )
+
+        created, failure = await self._create_pods(state, group, list(plan.create))
+        if created:
+            replicas = sorted({replica for replica, _ in created})
+            await self._event(
+                state,
+                "Normal",
+                "CreatedPods",
+                f"created {len(created)} pod(s) for replicas {_ranges(replicas)}",
+                once=False,
+            )
+        return failure
+
+    async def _create_pods(
+        self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], str | None]:
+        """Create in slow-start waves (1, 2, 4, ...): a refused pod stops the rest without a storm of errors."""
+        created: list[tuple[int, int]] = []
+        wave = 1
+        while todo:
+            batch, todo = todo[:wave], todo[wave:]
+            manifests = [builders.worker_pod(group, replica, rank, self.settings) for replica, rank in batch]
+            results = await gather_limited(
+                WRITE_CONCURRENCY, *(self.kube.create(PODS, group.namespace, m) for m in manifests)
+            )
+            deadline = time.monotonic() + EXPECTATION_SECONDS
+            for (replica, rank), manifest, result in zip(batch, manifests, results, strict=True):
+                if isinstance(result, ApiError) and result.status == 409:
+                    continue  # it exists: the index will show it
+                if isinstance(result, ApiError) and 400 <= result.status < 500 and result.status != 429:
+                    return created, f"pod {manifest['metadata']['name']}: {result.message}"
+                if isinstance(result, BaseException):
+                    raise result
+                state.expected_present[manifest["metadata"]["name"]] = deadline
+                created.append((replica, rank))
+            wave *= 2
+        return created, None
+
+    async def _ensure_children(self, state: GroupState, group: builders.Group) -> None:
+        """Secret, ConfigMap, Services, driver Deployment, NetworkPolicy, PDB: create or update as needed.
+
+        Skipped entirely while the spec (and so every desired child) is unchanged since the last success.
+        """
+        desired_hash = stable_hash(
+            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+        )
+        if state.children_hash == desired_hash:
+            return
+        await self._ensure_secret(group)
+        children: list[tuple[Resource, builders.Manifest]] = [
+            (CONFIG_MAPS, builders.config_map(group, self.settings)),
+            (SERVICES, builders.headless_service(group)),
+            (SERVICES, builders.driver_service(group)),
+            (DEPLOYMENTS, builders.driver_deployment(group)),
+            (NETWORK_POLICIES, builders.network_policy(group, self.settings)),
+            (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
+        ]
+        results = await gather_limited(
+            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m) for resource, m in children)
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        state.children_hash = desired_hash
+
+    async def _ensure_secret(self, group: builders.Group) -> None:
+        name = secret_name(group.name)
+        current = await self.kube.get(SECRETS, group.namespace, name)
+        if current is not None:
+            _check_owner(current, group, "Secret")
+            return  # keys are generated once and never rotated by a reconcile
+        public_key, secret_key = zmq.curve_keypair()
+        manifest = builders.curve_secret(group, public_key, secret_key, secrets.token_urlsafe(32))
+        try:
+            await self.kube.create(SECRETS, group.namespace, manifest)
+        except ApiError as error:
+            if error.status != 409:
+                raise _refused("Secret", name, error) from error
+
+    async def _ensure_child(
+        self, group: builders.Group, resource: Resource, manifest: builders.Manifest
+    ) -> None:
+        name = manifest["metadata"]["name"]
+        current = await self.kube.get(resource, group.namespace, name)
+        try:
+            if current is None:
+                await self.kube.create(resource, group.namespace, manifest)
+                return
+            _check_owner(current, group, resource.kind)
+            have = (current.get("metadata", {}).get("annotations") or {}).get(labels.SPEC_HASH)
+            if have != manifest["metadata"]["annotations"][labels.SPEC_HASH]:
+                await self.kube.apply(resource, group.namespace, name, manifest)
+        except ApiError as error:
+            if error.status == 409 and current is None:
+                return  # created meanwhile; the next spec change compares it again
+            if 400 <= error.status < 500 and error.status != 429:
+                raise _refused(resource.kind, name, error) from error
+            raise
+
+    async def _write_status(self, state: GroupState, desired: status.Status) -> None:
+        if not status.status_differs(state.current_status, desired):
+            return
+        namespace, name = state.key
+        try:
+            result = await self.kube.patch_status(GROUPS, namespace, name, desired)
+        except ApiError as error:
+            if error.status == 404:
+                return
+            raise
+        state.body = {**state.body, "status": result.get("status", desired)}
+
+    async def _report_unschedulable(self, state: GroupState, pods: list[planning.ObservedPod]) -> None:
+        stuck = sorted((p for p in pods if p.unschedulable and not p.terminating), key=lambda p: p.name)
+        if stuck:
+            await self._event(state, "Warning", "Unschedulable", f"{stuck[0].name}: {stuck[0].unschedulable}")
+        else:
+            state.posted.pop("Unschedulable", None)
+
+    async def _event(
+        self, state: GroupState, kind: str, reason: str, message: str, once: bool = True
+    ) -> None:
+        """A Kubernetes Event on the group; with `once`, a repeated (reason, message) is not posted again."""
+        if once and state.posted.get(reason) == message:
+            return
+        state.posted[reason] = message
+        metadata = state.body.get("metadata", {})
+        namespace, name = state.key
+        stamp = now_rfc3339()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": api.API_VERSION,
+                "kind": api.KIND,
+                "name": name,
+                "namespace": namespace,
+                "uid": metadata.get("uid", ""),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
+            "source": {"component": "iwg-operator"},
+            "reportingComponent": "iwg-operator",
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            await self.kube.create(EVENTS, namespace, event)
+        except ApiError as error:  # an event is worth a log line, not a failed reconcile
+            log.warning("event %s on %s/%s not posted: %s", reason, namespace, name, error)
+
+
+def _key(body: Mapping[str, Any]) -> GroupKey:
+    metadata = body.get("metadata", {})
+    return str(metadata.get("namespace")), str(metadata.get("name"))
+
+
+def _generation(body: Mapping[str, Any]) -> int:
+    return int(body.get("metadata", {}).get("generation") or 1)
+
+
+def _replica_rank(pod_name: str) -> tuple[int, int]:
+    replica_part, rank_part = pod_name.rsplit("-r", 1)[1].split("-w")
+    return int(replica_part), int(rank_part)
+
+
+def _check_owner(current: Mapping[str, Any], group: builders.Group, kind: str) -> None:
+    owners = current.get("metadata", {}).get("ownerReferences") or []
+    if not any(owner.get("uid") == group.uid for owner in owners):
+        name = current.get("metadata", {}).get("name")
+        raise ReconcileRefused(
+            f"{kind} {name} exists and is not owned by this group; rename the group or remove it"
+        )
+
+
+def _refused(kind: str, name: str, error: ApiError) -> ReconcileRefused:
+    return ReconcileRefused(f"{kind} {name}: {error.message}")
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    ordered = sorted(set(indices))
+    parts: list[str] = []
+    start = previous = ordered[0] if ordered else 0
+    for index in ordered[1:]:
+        if index != previous + 1:
+            parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+            start = index
+        previous = index
+    if ordered:
+        parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+    return ",".join(parts)

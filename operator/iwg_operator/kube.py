@@ -1,0 +1,266 @@
+"""A small async Kubernetes API client (aiohttp) for the operator's own reads and writes.
+
+It speaks only the verbs the operator needs (get, create, apply, patch, delete) on the resources it owns,
+and counts every request by verb, resource and status code (`RequestCounter`, also exported as the
+Prometheus counter `iwg_operator_api_requests_total`). Watching is Kopf's job, not this client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client import Counter as PromCounter
+
+from iwg_operator.api import v1alpha1 as api
+
+FIELD_MANAGER = "iwg-operator"
+
+API_REQUESTS = PromCounter(
+    "iwg_operator_api_requests",
+    "Kubernetes API requests made by the operator's reconciler",
+    ["verb", "resource", "code"],
+)
+
+WRITE_VERBS = frozenset({"create", "apply", "patch", "delete"})
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        path = f"{base}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+PODS = Resource("", "v1", "pods", "Pod")
+SERVICES = Resource("", "v1", "services", "Service")
+CONFIG_MAPS = Resource("", "v1", "configmaps", "ConfigMap")
+SECRETS = Resource("", "v1", "secrets", "Secret")
+EVENTS = Resource("", "v1", "events", "Event")
+DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+POD_DISRUPTION_BUDGETS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+GROUPS = Resource(api.GROUP, api.VERSION, api.PLURAL, api.KIND)
+
+# Every resource the reconciler touches, with its verbs: the Helm chart's RBAC is built from this list
+# (plus Kopf's own needs: watch/list/patch on groups, watch/list on pods, create events, list CRDs).
+RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
+    PODS: ("create", "delete"),
+    SERVICES: ("get", "create", "patch"),
+    CONFIG_MAPS: ("get", "create", "patch"),
+    SECRETS: ("get", "create"),
+    EVENTS: ("create",),
+    DEPLOYMENTS: ("get", "create", "patch"),
+    NETWORK_POLICIES: ("get", "create", "patch"),
+    POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
+    GROUPS: ("patch",),  # the status subresource only
+}
+
+
+class ApiError(Exception):
+    """A refusal by the API server: status code, reason and the server's message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{status} {reason}: {message}")
+
+
+class RequestCounter:
+    """Counts requests by (verb, resource, status code)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str, int]] = Counter()
+
+    def add(self, verb: str, resource: str, code: int) -> None:
+        self.counts[(verb, resource, code)] += 1
+        API_REQUESTS.labels(verb=verb, resource=resource, code=str(code)).inc()
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def writes(self) -> int:
+        return sum(n for (verb, _, _), n in self.counts.items() if verb in WRITE_VERBS)
+
+
+@dataclass(frozen=True)
+class Connection:
+    server: str
+    ssl_context: ssl.SSLContext | bool
+    token: str | None
+
+    @classmethod
+    def from_environment(cls) -> Connection:
+        """In-cluster service account when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube)."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        token = configuration.get_api_key_with_prefix(
+            "authorization"
+        ) or configuration.get_api_key_with_prefix("BearerToken")
+        context: ssl.SSLContext | bool
+        if configuration.verify_ssl:
+            context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+        else:
+            context = False
+        if configuration.cert_file and isinstance(context, ssl.SSLContext):
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        elif configuration.cert_file:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        if token and not token.lower().startswith("bearer "):
+            token = f"Bearer {token}"
+        return cls(server=str(configuration.host).rstrip("/"), ssl_context=context, token=token)
+
+
+class KubeApi:
+    """Async access to the operator's resources; every request is counted."""
+
+    def __init__(self, connection: Connection, max_connections: int = 64, timeout: float = 30.0) -> None:
+        self.connection = connection
+        self.requests = RequestCounter()
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Accept": "application/json", "User-Agent": "iwg-operator"}
+            if self.connection.token:
+                headers["Authorization"] = self.connection.token
+            self._session = aiohttp.ClientSession(
+                base_url=self.connection.server,
+                headers=headers,
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(ssl=self.connection.ssl_context, limit=self._max_connections),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(
+        self,
+        verb: str,
+        method: str,
+        resource: Resource,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        data = json.dumps(body) if body is not None else None
+        headers = {"Content-Type": content_type} if data is not None else None
+        async with self._client().request(
+            method, path, data=data, headers=headers, params=params
+        ) as response:
+            self.requests.add(verb, resource.plural, response.status)
+            text = await response.text()
+            if response.status >= 400:
+                raise _api_error(response.status, text)
+            result: dict[str, Any] = json.loads(text) if text else {}
+            return result
+
+    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("get", "GET", resource, resource.path(namespace, name))
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def create(self, resource: Resource, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request("create", "POST", resource, resource.path(namespace), body)
+
+    async def apply(
+        self, resource: Resource, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Server-side apply of the operator's desired fields (the operator's field manager wins conflicts)."""
+        return await self._request(
+            "apply",
+            "PATCH",
+            resource,
+            resource.path(namespace, name),
+            body,
+            content_type="application/apply-patch+yaml",
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+
+    async def patch_status(
+        self, resource: Resource, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return await self._request(
+            "patch",
+            "PATCH",
+            resource,
+            resource.path(namespace, name, "status"),
+            {"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete (background propagation); False when it was already gone or replaced (uid changed)."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+        }
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self._request("delete", "DELETE", resource, resource.path(namespace, name), body)
+        except ApiError as error:
+            if error.status in (404, 409):
+                return False
+            raise
+        return True
+
+
+def _api_error(status: int, text: str) -> ApiError:
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return ApiError(status, "Unknown", text[:1000])
+    if not isinstance(payload, dict):
+        return ApiError(status, "Unknown", text[:1000])
+    return ApiError(status, str(payload.get("reason", "Unknown")), str(payload.get("message", text[:1000])))
+
+
+async def gather_limited(limit: int, *calls: Any) -> list[Any]:
+    """Run coroutines with at most `limit` in flight; exceptions are returned, not raised."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def run(call: Any) -> Any:
+        async with semaphore:
+            return await call
+
+    return await asyncio.gather(*(run(call) for call in calls), return_exceptions=True)

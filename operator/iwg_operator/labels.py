@@ -1,0 +1,56 @@
+"""Label and annotation keys on everything the operator creates, and the selectors built from them.
+
+The health prober, the autoscaler and the Helm chart select pods with these; keep them stable.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "inference.iwg.dev"
+
+NAME: Final = "app.kubernetes.io/name"
+INSTANCE: Final = "app.kubernetes.io/instance"
+COMPONENT: Final = "app.kubernetes.io/component"
+MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+PART_OF: Final = "app.kubernetes.io/part-of"
+
+GROUP: Final = f"{PREFIX}/group"
+REPLICA: Final = f"{PREFIX}/replica"
+RANK: Final = f"{PREFIX}/rank"
+REVISION: Final = f"{PREFIX}/revision"
+
+# Annotation holding the hash of a child's desired manifest: equal hash, no write.
+SPEC_HASH: Final = f"{PREFIX}/spec-hash"
+WORLD_SIZE_ANNOTATION: Final = f"{PREFIX}/world-size"
+
+APP_NAME: Final = "iwg"
+MANAGER: Final = "iwg-operator"
+COMPONENT_WORKER: Final = "worker"
+COMPONENT_DRIVER: Final = "driver"
+
+# Labels of the operator's own pods (the Helm chart sets them); the NetworkPolicy admits these.
+OPERATOR_POD_LABELS: Final = {NAME: "iwg-operator"}
+
+
+def group_labels(group: str, component: str) -> dict[str, str]:
+    return {
+        NAME: APP_NAME,
+        INSTANCE: group,
+        COMPONENT: component,
+        MANAGED_BY: MANAGER,
+        PART_OF: APP_NAME,
+        GROUP: group,
+    }
+
+
+def worker_selector(group: str) -> dict[str, str]:
+    return {GROUP: group, COMPONENT: COMPONENT_WORKER}
+
+
+def driver_selector(group: str) -> dict[str, str]:
+    return {GROUP: group, COMPONENT: COMPONENT_DRIVER}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

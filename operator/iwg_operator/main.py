@@ -1,0 +1,56 @@
+"""`iwg-operator`: run the operator (Kopf, standalone) with its handlers and an optional metrics endpoint.
+
+The Helm chart's arguments (helm/iwg-operator/templates/_args.tpl) are this parser's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+from prometheus_client import start_http_server
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="iwg-operator", description="Run the InferenceWorkerGroup operator."
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="handle this namespace (repeatable)"
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="handle all namespaces (default)")
+    parser.add_argument(
+        "--standalone", action="store_true", help="no peering (always the case; accepted for clarity)"
+    )
+    parser.add_argument(
+        "--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level in ("warning", "error"))
+    logging.getLogger().setLevel(args.log_level.upper())
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port)
+    import iwg_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Pure planning: (desired shape, observed worker pods) -> which pods to create and which to delete.
+
+Rules: replicas at or above `replicas` go, highest first; a replica whose pods run another revision (image,
+env, world size, ...) is replaced as a whole, at most `maxUnavailable` available replicas at a time (an
+outdated replica that is not serving anyway is replaced at once); missing ranks of a current replica are created;
+a name still held by a terminating pod is not reused until that pod is gone; a pod that ended (Failed,
+Succeeded) is deleted so that it is recreated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from iwg_operator import labels
+
+TERMINAL_PHASES = frozenset({"Failed", "Succeeded"})
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    """What the operator needs to know about one worker pod (kept in the pod index)."""
+
+    name: str
+    group: str
+    replica: int
+    rank: int
+    revision: str
+    phase: str = "Pending"
+    ready: bool = False
+    node: str | None = None
+    terminating: bool = False
+    unschedulable: str | None = None  # the scheduler's message, when it could not place the pod
+    uid: str = ""
+
+
+def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
+    """Summarise a pod body; None when it is not a worker pod of a group."""
+    metadata = body.get("metadata", {})
+    pod_labels = metadata.get("labels") or {}
+    try:
+        group = pod_labels[labels.GROUP]
+        replica = int(pod_labels[labels.REPLICA])
+        rank = int(pod_labels[labels.RANK])
+    except (KeyError, ValueError):
+        return None
+    status = body.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = conditions.get("Ready", {}).get("status") == "True"
+    scheduled = conditions.get("PodScheduled", {})
+    unschedulable = None
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = str(scheduled.get("message") or "unschedulable")
+    return ObservedPod(
+        name=str(metadata.get("name")),
+        group=group,
+        replica=replica,
+        rank=rank,
+        revision=pod_labels.get(labels.REVISION, ""),
+        phase=str(status.get("phase") or "Pending"),
+        ready=ready,
+        node=(body.get("spec") or {}).get("nodeName"),
+        terminating=metadata.get("deletionTimestamp") is not None,
+        unschedulable=unschedulable,
+        uid=str(metadata.get("uid") or ""),
+    )
+
+
+@dataclass(frozen=True)
+class Desired:
+    replicas: int
+    world_size: int
+    revision: str
+    max_unavailable: int
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    create: tuple[tuple[int, int], ...]  # (replica, rank), lowest replica first
+    delete: tuple[ObservedPod, ...]  # highest replica first
+    scale_down: tuple[int, ...]  # replicas removed because replicas shrank
+    replace: tuple[int, ...]  # replicas replaced because they run another revision
+    waiting_for_termination: bool
+
+    @property
+    def empty(self) -> bool:
+        return not self.create and not self.delete
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    index: int
+    live: tuple[ObservedPod, ...]
+    terminating: tuple[ObservedPod, ...]
+    world_size: int
+    revision: str
+
+    @property
+    def outdated(self) -> bool:
+        return any(p.revision != self.revision or p.rank >= self.world_size for p in self.live)
+
+    @property
+    def available(self) -> bool:
+        current = {p.rank for p in self.live if p.ready and p.revision == self.revision}
+        return not self.outdated and current >= set(range(self.world_size))
+
+    @property
+    def serving(self) -> bool:
+        """Every pod it has is ready and none is going away (whatever its revision): it answers requests."""
+        return bool(self.live) and not self.terminating and all(p.ready for p in self.live)
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        held = {p.rank for p in self.live} | {p.rank for p in self.terminating}
+        return [rank for rank in range(self.world_size) if rank not in held]
+
+
+def replica_views(desired: Desired, pods: Iterable[ObservedPod]) -> dict[int, ReplicaView]:
+    grouped: dict[int, list[ObservedPod]] = defaultdict(list)
+    for pod in pods:
+        grouped[pod.replica].append(pod)
+    indices = set(grouped) | set(range(desired.replicas))
+    return {
+        index: ReplicaView(
+            index=index,
+            live=tuple(sorted((p for p in grouped[index] if not p.terminating), key=lambda p: p.rank)),
+            terminating=tuple(p for p in grouped[index] if p.terminating),
+            world_size=desired.world_size,
+            revision=desired.revision,
+        )
+        for index in sorted(indices)
+    }
+
+
+def plan_pods(desired: Desired, pods: Iterable[ObservedPod]) -> PodPlan:
+    views = replica_views(desired, pods)
+    delete: list[ObservedPod] = []
+    scale_down: list[int] = []
+    replace: list[int] = []
+    create: list[tuple[int, int]] = []
+
+    for index in sorted(views, reverse=True):
+        view = views[index]
+        if index >= desired.replicas and view.live:
+            scale_down.append(index)
+            delete.extend(sorted(view.live, key=lambda p: -p.rank))
+
+    kept = [views[i] for i in range(desired.replicas)]
+    # A pod that ran to an end (evicted, failed) never comes back by itself: remove it so it is recreated.
+    for view in kept:
+        if not view.outdated:
+            delete.extend(p for p in view.live if p.phase in TERMINAL_PHASES)
+    unavailable = sum(1 for view in kept if not view.serving)
+    budget = desired.max_unavailable - unavailable
+    for view in sorted(kept, key=lambda v: -v.index):
+        if not view.outdated:
+            continue
+        if view.serving:
+            if budget <= 0:
+                continue
+            budget -= 1
+        replace.append(view.index)
+        delete.extend(sorted(view.live, key=lambda p: -p.rank))
+
+    for view in kept:
+        if view.outdated:
+            continue
+        create.extend((view.index, rank) for rank in view.missing_ranks)
+
+    waiting = any(view.terminating for view in views.values())
+    return PodPlan(
+        create=tuple(create),
+        delete=tuple(delete),
+        scale_down=tuple(scale_down),
+        replace=tuple(sorted(replace, reverse=True)),
+        waiting_for_termination=waiting,
+    )

@@ -1,0 +1,49 @@
+"""Startup wiring for the operator: Kopf settings and the controller, built from the environment."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+
+from iwg_operator import builders, labels
+from iwg_operator.controller import Controller
+from iwg_operator.kube import Connection, KubeApi
+
+# Environment of the operator's own pod (the Helm chart sets them).
+ENV_CLUSTER_DOMAIN = "IWG_CLUSTER_DOMAIN"
+ENV_OPERATOR_NAMESPACE = "IWG_OPERATOR_NAMESPACE"
+
+WORKER_POD_SELECTOR = labels.selector_string(
+    {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
+)
+
+
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    # The operator posts its own Events (counted, deduplicated); Kopf's per-handler events would be noise writes.
+    settings.posting.enabled = False
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inference.iwg.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="inference.iwg.dev", key="last-handled-configuration"
+    )
+    # Watch only the operator's worker pods, filtered by the API server.
+    settings.watching.label_selectors["pods"] = WORKER_POD_SELECTOR
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    # Resources are discovered once; no CRD/namespace scanning (smaller RBAC, fewer requests).
+    settings.scanning.disabled = True
+    settings.queueing.worker_limit = None
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def build_settings() -> builders.BuildSettings:
+    defaults = builders.BuildSettings()
+    return builders.BuildSettings(
+        cluster_domain=os.environ.get(ENV_CLUSTER_DOMAIN, defaults.cluster_domain),
+        operator_namespace=os.environ.get(ENV_OPERATOR_NAMESPACE, defaults.operator_namespace),
+    )
+
+
+def build_controller() -> Controller:
+    return Controller(KubeApi(Connection.from_environment()), build_settings())

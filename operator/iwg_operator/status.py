@@ -1,0 +1,216 @@
+"""Pure status computation: (desired shape, observed pods, plan, previous status) -> the group's status.
+
+Conditions keep their lastTransitionTime while their status does not change, so an unchanged world yields
+an identical status and the operator writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from iwg_operator import labels
+from iwg_operator.planning import Desired, ObservedPod, PodPlan, replica_views
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+UNSCHEDULABLE = "Unschedulable"
+SPEC_INVALID = "SpecInvalid"
+RECONCILE_FAILED = "ReconcileFailed"
+
+Status = dict[str, Any]
+
+
+def condition(
+    kind: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: Mapping[str, Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = previous.get(kind)
+    changed = before is None or before.get("status") != status
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message[:4096],
+        "lastTransitionTime": now if changed or before is None else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+
+
+def previous_conditions(status: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    return {
+        c["type"]: c for c in (status or {}).get("conditions") or [] if isinstance(c, Mapping) and "type" in c
+    }
+
+
+def group_status(
+    group_name: str,
+    generation: int,
+    desired: Desired,
+    pods: Iterable[ObservedPod],
+    plan: PodPlan,
+    previous: Mapping[str, Any] | None,
+    now: str,
+    failure: str | None = None,
+) -> Status:
+    """The status the group should show. `failure` is an error from applying the plan (API refusal)."""
+    pods = list(pods)
+    views = replica_views(desired, pods)
+    kept = [views[i] for i in range(desired.replicas)]
+    existing = [v for v in views.values() if v.live]
+    ready = sum(1 for v in kept if v.available)
+    updated = sum(1 for v in kept if v.live and not v.outdated and not v.missing_ranks)
+    unschedulable = sorted((p for p in pods if p.unschedulable and not p.terminating), key=lambda p: p.name)
+    failed_pods = [p for p in pods if p.phase == "Failed"]
+    settled = plan.empty and not plan.waiting_for_termination and updated == desired.replicas
+    before = previous_conditions(previous)
+
+    if failure is not None:
+        phase = "Failed" if ready == 0 else "Degraded"
+    elif unschedulable or failed_pods:
+        phase = "Pending" if ready == 0 else "Degraded"
+    elif ready == desired.replicas and settled:
+        phase = "Running"
+    elif ready == 0 and desired.replicas > 0 and not any(p.ready for p in pods):
+        phase = "Pending"
+    else:
+        phase = "Progressing"
+
+    conditions = [
+        condition(
+            READY,
+            ready == desired.replicas,
+            "AllReplicasReady" if ready == desired.replicas else "ReplicasNotReady",
+            f"{ready}/{desired.replicas} replicas ready",
+            generation,
+            before,
+            now,
+        ),
+        condition(
+            PROGRESSING,
+            not settled,
+            "Reconciling" if not settled else "Settled",
+            _progress_message(plan, desired, updated),
+            generation,
+            before,
+            now,
+        ),
+    ]
+    degraded_reasons = []
+    if unschedulable:
+        degraded_reasons.append(f"{len(unschedulable)} pod(s) unschedulable")
+    if failed_pods:
+        degraded_reasons.append(f"{len(failed_pods)} pod(s) failed")
+    if failure is not None:
+        degraded_reasons.append(failure)
+    conditions.append(
+        condition(
+            DEGRADED,
+            bool(degraded_reasons),
+            "Unschedulable"
+            if unschedulable
+            else ("PodsFailed" if failed_pods else ("ReconcileFailed" if failure else "Healthy")),
+            "; ".join(degraded_reasons) or "no problems",
+            generation,
+            before,
+            now,
+        )
+    )
+    conditions.append(
+        condition(
+            UNSCHEDULABLE,
+            bool(unschedulable),
+            "Unschedulable" if unschedulable else "Scheduled",
+            f"{unschedulable[0].name}: {unschedulable[0].unschedulable}"
+            if unschedulable
+            else "all pods placed",
+            generation,
+            before,
+            now,
+        )
+    )
+    if failure is not None or RECONCILE_FAILED in before:
+        conditions.append(
+            condition(
+                RECONCILE_FAILED,
+                failure is not None,
+                "ApiRefused" if failure else "Applied",
+                failure or "last reconcile applied",
+                generation,
+                before,
+                now,
+            )
+        )
+    if SPEC_INVALID in before:
+        conditions.append(condition(SPEC_INVALID, False, "Valid", "spec is valid", generation, before, now))
+
+    return {
+        "phase": phase,
+        "replicas": len(existing),
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "worldSize": desired.world_size,
+        "selector": labels.selector_string(labels.worker_selector(group_name)),
+        "revision": desired.revision,
+        "observedGeneration": generation,
+        "replicaStatuses": [
+            {
+                "index": v.index,
+                "pods": len(v.live),
+                "readyPods": sum(1 for p in v.live if p.ready),
+                "ready": v.available,
+                "revision": _replica_revision(v.live),
+                "nodes": sorted({p.node for p in v.live if p.node}),
+            }
+            for v in existing
+        ],
+        "conditions": conditions,
+    }
+
+
+def invalid_spec_status(
+    group_name: str, generation: int, message: str, previous: Mapping[str, Any] | None, now: str
+) -> Status:
+    before = previous_conditions(previous)
+    kept = [c for kind, c in before.items() if kind not in (SPEC_INVALID, READY, PROGRESSING, DEGRADED)]
+    return {
+        "phase": "Failed",
+        "observedGeneration": generation,
+        "selector": labels.selector_string(labels.worker_selector(group_name)),
+        "conditions": [
+            condition(READY, False, "SpecInvalid", "spec is invalid", generation, before, now),
+            condition(PROGRESSING, False, "SpecInvalid", "waiting for a valid spec", generation, before, now),
+            condition(DEGRADED, True, "SpecInvalid", message, generation, before, now),
+            condition(SPEC_INVALID, True, "SpecInvalid", message, generation, before, now),
+            *kept,
+        ],
+    }
+
+
+def status_differs(current: Mapping[str, Any] | None, desired: Status) -> bool:
+    """True when some field the operator owns differs (fields others write are ignored)."""
+    current = current or {}
+    return any(current.get(key) != value for key, value in desired.items())
+
+
+def _replica_revision(pods: Iterable[ObservedPod]) -> str:
+    revisions = sorted({p.revision for p in pods})
+    return revisions[0] if len(revisions) == 1 else ",".join(revisions)
+
+
+def _progress_message(plan: PodPlan, desired: Desired, updated: int) -> str:
+    parts = [f"{updated}/{desired.replicas} replicas at revision {desired.revision}"]
+    if plan.create:
+        parts.append(f"{len(plan.create)} pod(s) to create")
+    if plan.delete:
+        parts.append(f"{len(plan.delete)} pod(s) to delete")
+    if plan.waiting_for_termination:
+        parts.append("waiting for pods to terminate")
+    return ", ".join(parts)

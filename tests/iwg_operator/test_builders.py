@@ -1,0 +1,181 @@
+"""Pure builders: the objects a group owns, derived from its spec."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import zmq
+from iwg_operator import builders, labels
+from iwg_operator.api import v1alpha1 as api
+from iwg_operator.api import wiring
+
+SETTINGS = builders.BuildSettings(cluster_domain="cluster.local", operator_namespace="iwg-system")
+
+
+def group(**spec: Any) -> builders.Group:
+    body = {"model": {"task": "embed", "path": "/models/m"}, **spec}
+    return builders.Group(name="g", namespace="ns", uid="uid-1", spec=api.parse_spec(body))
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_worker_pod_identity_and_wiring() -> None:
+    pod = builders.worker_pod(group(replicas=2, worldSize=4), 1, 2, SETTINGS)
+    meta = pod["metadata"]
+    assert meta["name"] == "g-r1-w2"
+    assert meta["labels"][labels.REPLICA] == "1" and meta["labels"][labels.RANK] == "2"
+    assert meta["labels"]["app.kubernetes.io/instance"] == "g"
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "iwg-operator"
+    assert meta["ownerReferences"][0]["uid"] == "uid-1" and meta["ownerReferences"][0]["controller"] is True
+    assert pod["spec"]["hostname"] == "g-r1-w2" and pod["spec"]["subdomain"] == "g-workers"
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["iwg-worker"]
+    env = env_of(container)
+    assert env[wiring.MASTER_ADDR] == "g-r1-w0.g-workers.ns.svc.cluster.local"
+    assert env[wiring.RANK] == env[wiring.TORCH_RANK] == "2"
+    assert env[wiring.WORLD_SIZE] == env[wiring.TORCH_WORLD_SIZE] == "4"
+    assert env[wiring.RPC_ENDPOINT] == f"tcp://g-driver.ns.svc.cluster.local:{wiring.DEFAULT_RPC_PORT}"
+    assert env[wiring.RESPONSE_ENDPOINT].endswith(f":{wiring.DEFAULT_RESPONSE_PORT}")
+    assert env[wiring.POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env[wiring.MODEL_PATH] == "/models/m" and env[wiring.SERVED_NAME] == "g"
+
+
+def test_every_wiring_name_for_workers_is_written() -> None:
+    names = set(env_of(builders.worker_pod(group(), 0, 0, SETTINGS)["spec"]["containers"][0]))
+    expected = {
+        wiring.GROUP, wiring.NAMESPACE, wiring.REPLICA, wiring.RANK, wiring.WORLD_SIZE, wiring.POD_NAME,
+        wiring.POD_IP, wiring.RPC_ENDPOINT, wiring.RESPONSE_ENDPOINT, wiring.CURVE_DIR, wiring.HEALTH_PORT,
+        wiring.MASTER_ADDR, wiring.MASTER_PORT, wiring.TORCH_RANK, wiring.TORCH_WORLD_SIZE, wiring.MODEL_TASK,
+        wiring.MODEL_PATH, wiring.SERVED_NAME, wiring.DTYPE, wiring.DEVICE,
+    }  # fmt: skip
+    assert expected <= names
+
+
+def test_gpu_resources_tolerations_and_product() -> None:
+    pod = builders.worker_pod(
+        group(worker={"gpus": 2, "cpu": 4, "memory": "16Gi"}, scheduling={"gpuProduct": "H100"}),
+        0,
+        0,
+        SETTINGS,
+    )
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"}
+    assert resources["requests"] == resources["limits"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"][
+        "tolerations"
+    ]
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+
+
+def test_cpu_pod_has_no_gpu_request_or_toleration() -> None:
+    pod = builders.worker_pod(group(worker={"gpus": 0}), 0, 0, SETTINGS)
+    assert "nvidia.com/gpu" not in pod["spec"]["containers"][0]["resources"].get("limits", {})
+    assert "tolerations" not in pod["spec"]
+
+
+def test_colocation_adds_required_pod_affinity_per_replica_and_keeps_users_affinity() -> None:
+    user = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    pod = builders.worker_pod(
+        group(worldSize=2, scheduling={"colocateRanks": True, "affinity": user}), 3, 1, SETTINGS
+    )
+    affinity = pod["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == user["nodeAffinity"]
+    term = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == {labels.GROUP: "g", labels.REPLICA: "3"}
+    alone = builders.worker_pod(group(worldSize=2), 3, 1, SETTINGS)
+    assert "affinity" not in alone["spec"]
+
+
+def test_shm_probes_and_restricted_security() -> None:
+    pod = builders.worker_pod(group(worker={"shmSize": "8Gi"}, health={"periodSeconds": 7}), 0, 0, SETTINGS)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    container = pod["spec"]["containers"][0]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["periodSeconds"] == 7
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_revision_follows_image_and_env_but_not_replicas() -> None:
+    base = builders.revision(group(), SETTINGS)
+    assert builders.revision(group(replicas=5), SETTINGS) == base
+    assert builders.revision(group(worker={"image": "other:1"}), SETTINGS) != base
+    assert builders.revision(group(worker={"env": [{"name": "A", "value": "1"}]}), SETTINGS) != base
+    assert builders.revision(group(worldSize=2), SETTINGS) != base
+
+
+def test_driver_deployment_and_service() -> None:
+    g = group(driver={"port": 9000, "batching": {"maxBatchSize": 8, "maxQueue": 64}})
+    deployment = builders.driver_deployment(g)
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["iwg-driver"]
+    env = env_of(container)
+    assert (
+        env[wiring.HTTP_PORT] == "9000"
+        and env[wiring.MAX_BATCH_SIZE] == "8"
+        and env[wiring.MAX_QUEUE] == "64"
+    )
+    assert env[wiring.RPC_ENDPOINT] == f"tcp://$({wiring.POD_IP}):{wiring.DEFAULT_RPC_PORT}"
+    service = builders.driver_service(g)
+    assert service["metadata"]["name"] == "g-driver"
+    assert {p["port"] for p in service["spec"]["ports"]} == {
+        9000,
+        wiring.DEFAULT_RPC_PORT,
+        wiring.DEFAULT_RESPONSE_PORT,
+    }
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"] == selector
+    assert all(deployment["spec"]["template"]["metadata"]["labels"][k] == v for k, v in selector.items())
+
+
+def test_headless_service_selects_workers_before_ready() -> None:
+    service = builders.headless_service(group())
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = builders.worker_pod(group(), 0, 0, SETTINGS)["metadata"]["labels"]
+    assert all(pod_labels[k] == v for k, v in service["spec"]["selector"].items())
+
+
+def test_curve_secret_holds_a_real_keypair_and_is_immutable() -> None:
+    public, secret = zmq.curve_keypair()
+    manifest = builders.curve_secret(group(), public, secret, "token")
+    assert manifest["immutable"] is True
+    data = manifest["data"]
+    assert zmq.curve_public(base64.b64decode(data[wiring.CURVE_SECRET_FILE])) == base64.b64decode(
+        data[wiring.CURVE_PUBLIC_FILE]
+    )
+
+
+def test_network_policy_admits_group_and_operator_only() -> None:
+    policy = builders.network_policy(group(), SETTINGS)["spec"]
+    assert policy["podSelector"]["matchLabels"] == labels.worker_selector("g")
+    peers = [peer for rule in policy["ingress"] for peer in rule["from"]]
+    assert {"podSelector": {"matchLabels": {labels.GROUP: "g"}}} in peers
+    operator = next(p for p in peers if "namespaceSelector" in p)
+    assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "iwg-system"}
+    assert all("ipBlock" not in p for p in peers)
+
+
+def test_pdb_and_config_map() -> None:
+    pdb = builders.pod_disruption_budget(group(worldSize=4, rollout={"maxUnavailable": 2}))
+    assert pdb["spec"]["maxUnavailable"] == 8
+    config = builders.config_map(group(replicas=3), SETTINGS)
+    assert '"replicas": 3' in config["data"]["group.json"]
+
+
+def test_spec_hash_changes_with_content_only() -> None:
+    a = builders.driver_service(group())
+    b = builders.driver_service(group())
+    c = builders.driver_service(group(driver={"port": 9001}))
+    key = labels.SPEC_HASH
+    assert a["metadata"]["annotations"][key] == b["metadata"]["annotations"][key]
+    assert a["metadata"]["annotations"][key] != c["metadata"]["annotations"][key]

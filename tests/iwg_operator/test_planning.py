@@ -1,0 +1,122 @@
+"""Pure planning and status: scale up/down, rolling replacement, terminating names, conditions."""
+
+from __future__ import annotations
+
+from iwg_operator import status
+from iwg_operator.planning import Desired, ObservedPod, observe_pod, plan_pods
+
+REV = "r1"
+
+
+def pod(replica: int, rank: int, revision: str = REV, ready: bool = True, **extra: object) -> ObservedPod:
+    return ObservedPod(
+        name=f"g-r{replica}-w{rank}", group="g", replica=replica, rank=rank, revision=revision, ready=ready,
+        phase="Running", uid=f"u{replica}-{rank}", **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def full(replicas: int, world: int, revision: str = REV) -> list[ObservedPod]:
+    return [pod(r, k, revision) for r in range(replicas) for k in range(world)]
+
+
+def test_fresh_group_creates_every_rank() -> None:
+    plan = plan_pods(Desired(2, 3, REV, 1), [])
+    assert plan.create == tuple((r, k) for r in range(2) for k in range(3))
+    assert plan.delete == ()
+
+
+def test_settled_group_plans_nothing() -> None:
+    plan = plan_pods(Desired(2, 2, REV, 1), full(2, 2))
+    assert plan.empty and not plan.waiting_for_termination
+
+
+def test_scale_down_removes_highest_replicas_first() -> None:
+    plan = plan_pods(Desired(1, 2, REV, 1), full(3, 2))
+    assert [p.replica for p in plan.delete] == [2, 2, 1, 1]
+    assert plan.scale_down == (2, 1)
+    assert plan.create == ()
+
+
+def test_scale_up_adds_only_new_replicas() -> None:
+    plan = plan_pods(Desired(3, 2, REV, 1), full(1, 2))
+    assert plan.create == ((1, 0), (1, 1), (2, 0), (2, 1))
+
+
+def test_rolling_replaces_at_most_max_unavailable_replicas() -> None:
+    plan = plan_pods(Desired(4, 2, "r2", 1), full(4, 2, REV))
+    assert plan.replace == (3,)
+    assert {p.replica for p in plan.delete} == {3}
+    plan = plan_pods(Desired(4, 2, "r2", 2), full(4, 2, REV))
+    assert plan.replace == (3, 2)
+
+
+def test_rolling_waits_while_a_replica_is_unavailable() -> None:
+    pods = [*full(3, 1, REV), pod(3, 0, "r2", ready=False)]
+    plan = plan_pods(Desired(4, 1, "r2", 1), pods)
+    assert plan.replace == ()
+    pods = [*full(3, 1, REV), pod(3, 0, "r2", ready=True)]
+    assert plan_pods(Desired(4, 1, "r2", 1), pods).replace == (2,)
+
+
+def test_terminating_pod_blocks_its_name() -> None:
+    pods = [pod(0, 0, terminating=True), pod(0, 1)]
+    plan = plan_pods(Desired(1, 2, REV, 1), pods)
+    assert plan.create == () and plan.waiting_for_termination
+
+
+def test_world_size_change_replaces_whole_replicas() -> None:
+    plan = plan_pods(Desired(1, 4, "r2", 1), full(1, 2, REV))
+    assert plan.replace == (0,) and len(plan.delete) == 2 and plan.create == ()
+    gone = [pod(0, 0, REV, terminating=True), pod(0, 1, REV, terminating=True)]
+    assert plan_pods(Desired(1, 4, "r2", 1), gone).create == ((0, 2), (0, 3))
+
+
+def test_missing_rank_is_recreated_and_failed_pod_deleted() -> None:
+    plan = plan_pods(Desired(1, 3, REV, 1), [pod(0, 0), pod(0, 2)])
+    assert plan.create == ((0, 1),)
+    failed = ObservedPod(name="g-r0-w1", group="g", replica=0, rank=1, revision=REV, phase="Failed", uid="x")
+    plan = plan_pods(Desired(1, 2, REV, 1), [pod(0, 0), failed])
+    assert plan.delete == (failed,)
+
+
+def test_observe_pod_reads_labels_readiness_and_scheduler_message() -> None:
+    body = {
+        "metadata": {
+            "name": "g-r1-w0",
+            "uid": "u",
+            "labels": {"inference.iwg.dev/group": "g", "inference.iwg.dev/replica": "1", "inference.iwg.dev/rank": "0",
+                       "inference.iwg.dev/revision": REV},
+        },
+        "spec": {},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes: gpu"}]},
+    }  # fmt: skip
+    observed = observe_pod(body)
+    assert observed is not None
+    assert (observed.replica, observed.rank, observed.ready) == (1, 0, False)
+    assert observed.unschedulable == "0/4 nodes: gpu"
+    assert observe_pod({"metadata": {"labels": {}}}) is None
+
+
+def test_status_counts_conditions_and_is_stable() -> None:
+    desired = Desired(2, 2, REV, 1)
+    pods = full(2, 2)
+    plan = plan_pods(desired, pods)
+    first = status.group_status("g", 3, desired, pods, plan, None, "t1")
+    assert (first["phase"], first["replicas"], first["readyReplicas"]) == ("Running", 2, 2)
+    assert first["selector"] == "app.kubernetes.io/component=worker,inference.iwg.dev/group=g"
+    conditions = {c["type"]: c for c in first["conditions"]}
+    assert conditions["Ready"]["status"] == "True" and conditions["Ready"]["observedGeneration"] == 3
+    again = status.group_status("g", 3, desired, pods, plan, first, "t2")
+    assert not status.status_differs(first, again)
+
+
+def test_status_reports_unschedulable_with_the_scheduler_message() -> None:
+    desired = Desired(1, 1, REV, 1)
+    pods = [pod(0, 0, ready=False, unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")]
+    result = status.group_status("g", 1, desired, pods, plan_pods(desired, pods), None, "t")
+    conditions = {c["type"]: c for c in result["conditions"]}
+    assert result["phase"] == "Pending"
+    assert conditions["Unschedulable"]["status"] == "True"
+    assert "Insufficient nvidia.com/gpu" in conditions["Unschedulable"]["message"]
+    assert conditions["Degraded"]["reason"] == "Unschedulable"
