@@ -1,0 +1,21 @@
+"""Shared test configuration: the real control-plane fixtures (see tests/cluster/fixtures.py)."""
+
+from tests.cluster.fixtures import (
+    control_plane,
+    controller_manager,
+    gpu_nodes,
+    k8s,
+    namespace,
+    pytest_terminal_summary,
+    scheduler,
+)
+
+__all__ = [
+    "control_plane",
+    "controller_manager",
+    "gpu_nodes",
+    "k8s",
+    "namespace",
+    "pytest_terminal_summary",
+    "scheduler",
+]
