@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from iwg_operator import builders, labels, planning, status
+from iwg_operator import builders, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
 from iwg_operator.kube import (
@@ -152,6 +152,7 @@ class Controller:
 
     def forget(self, key: GroupKey) -> None:
         state = self.groups.pop(key, None)
+        metrics.group_gone(*key)
         if state is not None and state.task is not None:
             state.task.cancel()
 
@@ -180,7 +181,8 @@ class Controller:
             if state.group is None:
                 continue
             try:
-                recheck = await self.reconcile(state)
+                with metrics.reconcile("reconcile"):
+                    recheck = await self.reconcile(state)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a retry with backoff, never a crash of the operator
@@ -276,6 +278,7 @@ class Controller:
                 state, "Normal", "ScaledDown", f"removing replicas {_ranges(plan.scale_down)}", once=False
             )
         if plan.replace:
+            metrics.pod_replaced("rollout", sum(1 for p in plan.delete if p.replica in plan.replace))
             await self._event(
                 state,
                 "Normal",
@@ -286,6 +289,7 @@ class Controller:
 
         created, failure = await self._create_pods(state, group, list(plan.create))
         if created:
+            metrics.pod_created("reconcile", len(created))
             replicas = sorted({replica for replica, _ in created})
             await self._event(
                 state,
@@ -393,6 +397,8 @@ class Controller:
                 return
             raise
         state.body = {**state.body, "status": result.get("status", desired)}
+        if "phase" in desired:
+            metrics.group_phase(namespace, name, str(desired["phase"]))
 
     async def _report_unschedulable(self, state: GroupState, pods: list[planning.ObservedPod]) -> None:
         stuck = sorted((p for p in pods if p.unschedulable and not p.terminating), key=lambda p: p.name)

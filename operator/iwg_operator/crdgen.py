@@ -4,8 +4,8 @@
 crds/inference.iwg.dev_inferenceworkergroups.yaml and docs/crd-reference.md. Pydantic's JSON schema is
 rewritten into a Kubernetes structural schema: references inlined, `null` alternatives dropped,
 `additionalProperties: false` removed (the API server prunes and kubectl's strict field validation reports
-unknown fields), exclusive bounds in OpenAPI v3.0 form, and `default: {}` on optional objects so that the API
-server fills in their nested defaults.
+unknown fields), exclusive bounds in OpenAPI v3.0 form, and a default on optional objects (their fields'
+defaults) so that an omitted section is filled in.
 """
 
 from __future__ import annotations
@@ -73,15 +73,24 @@ def _structural(schema: Schema, defs: dict[str, Schema]) -> Schema:
         result["x-kubernetes-preserve-unknown-fields"] = True
     if result.get("type") == "object" and "properties" in result:
         for prop in result["properties"].values():
-            # An optional nested object with its own defaults: default it to {} so those defaults apply.
+            # An optional nested object with its own defaults defaults to those (not to {}: the API server
+            # checks a default against the CEL rules before nested defaults apply).
             is_object = prop.get("type") == "object" and "properties" in prop
             if is_object and "default" not in prop and not prop.get("required") and _has_defaults(prop):
-                prop["default"] = {}
+                prop["default"] = _defaults_of(prop)
     return _ordered(result)
 
 
 def _has_defaults(schema: Schema) -> bool:
     return any("default" in p for p in schema.get("properties", {}).values())
+
+
+def _defaults_of(schema: Schema) -> dict[str, Any]:
+    return {
+        name: copy.deepcopy(p["default"])
+        for name, p in schema.get("properties", {}).items()
+        if "default" in p
+    }
 
 
 def _ordered(schema: Schema) -> Schema:

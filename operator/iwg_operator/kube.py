@@ -1,8 +1,8 @@
 """A small async Kubernetes API client (aiohttp) for the operator's own reads and writes.
 
 It speaks only the verbs the operator needs (get, create, apply, patch, delete) on the resources it owns,
-and counts every request by verb, resource and status code (`RequestCounter`, also exported as the
-Prometheus counter `iwg_operator_api_requests_total`). Watching is Kopf's job, not this client's.
+and counts every request by verb, resource and status code (`RequestCounter`, also exported as
+`iwg_operator_api_requests_total` through iwg_operator.metrics). Watching is Kopf's job, not this client's.
 """
 
 from __future__ import annotations
@@ -16,17 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client import Counter as PromCounter
 
+from iwg_operator import metrics
 from iwg_operator.api import v1alpha1 as api
 
 FIELD_MANAGER = "iwg-operator"
-
-API_REQUESTS = PromCounter(
-    "iwg_operator_api_requests",
-    "Kubernetes API requests made by the operator's reconciler",
-    ["verb", "resource", "code"],
-)
 
 WRITE_VERBS = frozenset({"create", "apply", "patch", "delete"})
 
@@ -95,7 +89,7 @@ class RequestCounter:
 
     def add(self, verb: str, resource: str, code: int) -> None:
         self.counts[(verb, resource, code)] += 1
-        API_REQUESTS.labels(verb=verb, resource=resource, code=str(code)).inc()
+        metrics.api_request(verb, resource, code)
 
     def total(self) -> int:
         return sum(self.counts.values())

@@ -9,7 +9,8 @@ import argparse
 import logging
 
 import kopf
-from prometheus_client import start_http_server
+
+from iwg_operator import metrics
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -30,7 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (or IWG_METRICS_PORT)",
     )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
     return parser.parse_args(argv)
@@ -40,8 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level in ("warning", "error"))
     logging.getLogger().setLevel(args.log_level.upper())
-    if args.metrics_port is not None:
-        start_http_server(args.metrics_port)
+    if args.log_level != "debug":
+        # One line per handled pod event is noise at scale; the operator's own logs and Events say what it did.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    port = metrics.port_from_env(args.metrics_port)
+    if port is not None:
+        metrics.serve(port)
     import iwg_operator.handlers  # noqa: F401  (registers the handlers)
 
     kopf.run(
