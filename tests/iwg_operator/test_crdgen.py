@@ -36,8 +36,9 @@ def test_schema_is_structural() -> None:
         if "anyOf" in node:
             assert node.get("x-kubernetes-int-or-string"), f"{path}: anyOf only for int-or-string"
     spec = schema["properties"]["spec"]
-    assert spec["properties"]["worker"]["default"] == {}, (
-        "optional sections default to {} for nested defaults"
+    worker = spec["properties"]["worker"]
+    assert worker["default"]["gpus"] == worker["properties"]["gpus"]["default"], (
+        "omitted sections get defaults"
     )
     assert schema["properties"]["status"]["x-kubernetes-preserve-unknown-fields"] is True
 
