@@ -63,6 +63,10 @@ class StartupError(RuntimeError):
     pass
 
 
+class PortTakenError(StartupError):
+    """The free port we picked was taken by someone else before our process bound it."""
+
+
 class KubectlError(subprocess.CalledProcessError):
     def __str__(self) -> str:
         return f"{super().__str__()}\nstderr: {self.stderr.strip()}"
@@ -197,30 +201,26 @@ class ControlPlane:
         if self.running("kube-scheduler"):
             return
         t0 = time.monotonic()
-        port = free_port()
-        kc = str(self.kubeconfig)
-        self._spawn(
+        self._start_on_free_port(
             "kube-scheduler",
-            [
-                f"--kubeconfig={kc}",
+            lambda port: [
+                f"--kubeconfig={self.kubeconfig}",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={port}",
                 "--leader-elect=false",
             ],
+            health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )
-        self._wait_https("kube-scheduler", f"https://127.0.0.1:{port}/healthz", token=None)
         self.startup_seconds["kube-scheduler"] = time.monotonic() - t0
 
     def start_controller_manager(self, controllers: Sequence[str] = CONTROLLERS) -> None:
         if self.running("kube-controller-manager"):
             return
         t0 = time.monotonic()
-        port = free_port()
-        kc = str(self.kubeconfig)
-        self._spawn(
+        self._start_on_free_port(
             "kube-controller-manager",
-            [
-                f"--kubeconfig={kc}",
+            lambda port: [
+                f"--kubeconfig={self.kubeconfig}",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={port}",
                 "--leader-elect=false",
@@ -229,8 +229,8 @@ class ControlPlane:
                 f"--root-ca-file={self.ca_file}",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             ],
+            health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )
-        self._wait_https("kube-controller-manager", f"https://127.0.0.1:{port}/healthz", token=None)
         self.startup_seconds["kube-controller-manager"] = time.monotonic() - t0
 
     def start_gpu_nodes(self, count: int = 4, gpus_per_node: int = 8) -> list[str]:
@@ -298,11 +298,10 @@ class ControlPlane:
         (self.workdir / "certs").mkdir()
 
     def _start_etcd(self) -> str:
-        client, peer = free_port(), free_port()
-        client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-        self._spawn(
-            "etcd",
-            [
+        def args(port: int) -> list[str]:
+            # The peer port is only ever used by this one-member cluster; it is picked the same way.
+            client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}"
+            return [
                 f"--name={self.name}",
                 f"--data-dir={self.workdir / 'etcd'}",
                 f"--listen-client-urls={client_url}",
@@ -312,23 +311,22 @@ class ControlPlane:
                 f"--initial-cluster={self.name}={peer_url}",
                 "--unsafe-no-fsync",
                 "--log-level=warn",
-            ],
-        )
-        self._wait_until("etcd", lambda: _http_ok(f"{client_url}/health"), timeout=30)
-        return client_url
+            ]
+
+        port = self._start_on_free_port("etcd", args, health=lambda port: f"http://127.0.0.1:{port}/health")
+        return f"http://127.0.0.1:{port}"
 
     def _start_apiserver(self, etcd_url: str) -> None:
-        self.port = free_port()
-        self._spawn(
+        self.port = self._start_on_free_port(
             "kube-apiserver",
-            [
+            lambda port: [
                 f"--etcd-servers={etcd_url}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 # The endpoint reconciler refuses loopback addresses; nothing here needs the
                 # `kubernetes` Service to have endpoints.
                 "--endpoint-reconciler-type=none",
-                f"--secure-port={self.port}",
+                f"--secure-port={port}",
                 f"--cert-dir={self.workdir / 'certs'}",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
                 "--authorization-mode=Node,RBAC",
@@ -339,8 +337,9 @@ class ControlPlane:
                 # Lets PodSecurity, not the cluster-wide switch, be what refuses privileged pods.
                 "--allow-privileged=true",
             ],
+            health=lambda port: f"https://127.0.0.1:{port}/readyz",
+            token=self.token,
         )
-        self._wait_https("kube-apiserver", f"{self.server}/readyz", token=self.token, timeout=60)
 
     def _write_kubeconfig(self) -> None:
         ca = base64.b64encode(self.ca_file.read_bytes()).decode()
@@ -357,7 +356,7 @@ class ControlPlane:
         self.kubeconfig.write_text(yaml.safe_dump(config))
         self.kubeconfig.chmod(0o600)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str]) -> int:
         log = self.workdir / f"{name}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(
@@ -371,6 +370,7 @@ class ControlPlane:
             )
         record = ProcessRecord(name, popen.pid, psutil.Process(popen.pid).create_time())
         self._procs.append(_Proc(record, popen, log))
+        return popen.pid
 
     def _alive(self, name: str) -> bool:
         proc = next(p for p in reversed(self._procs) if p.record.name == name)
@@ -392,14 +392,41 @@ class ControlPlane:
             time.sleep(0.1)
         raise StartupError(f"{name} not ready after {timeout:.0f}s:\n{self._log_tail(name)}")
 
-    def _wait_https(self, name: str, url: str, token: str | None, timeout: float = 60) -> None:
-        # The serving certificates are generated at startup, so readiness is polled unverified;
+    def _start_on_free_port(
+        self,
+        name: str,
+        args: Callable[[int], list[str]],
+        health: Callable[[int], str],
+        token: str | None = None,
+        attempts: int = 3,
+    ) -> int:
+        """Starts `name` on a free loopback port and waits until it answers there healthy.
+
+        A port found free can be taken by another process before ours binds it (other test runs
+        share this machine): then ours exits and is started again on another port. Health only
+        counts once our own process listens on the port, so we never mistake a neighbour for ours.
+        """
+        # Serving certificates are generated at startup, so health is polled unverified;
         # clients verify against the kubeconfig's CA afterwards.
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._wait_until(name, lambda: _http_ok(url, headers=headers, context=context), timeout=timeout)
+        for attempt in range(1, attempts + 1):
+            port = free_port()
+            pid = self._spawn(name, args(port))
+
+            def ready(port: int = port, pid: int = pid) -> bool:
+                return _listens(pid, port) and _http_ok(health(port), headers=headers, context=context)
+
+            try:
+                self._wait_until(name, ready, timeout=60)
+                return port
+            except StartupError as exc:
+                if attempt == attempts or "address already in use" not in str(exc):
+                    raise
+                self._procs.pop()  # it has exited; forget it
+        raise AssertionError("unreachable")
 
 
 def _http_ok(url: str, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None) -> bool:
@@ -409,6 +436,14 @@ def _http_ok(url: str, headers: dict[str, str] | None = None, context: ssl.SSLCo
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 def stop_detached(state: dict[str, Any]) -> None:

@@ -27,3 +27,26 @@ def test_stop_kills_every_process_and_removes_its_files() -> None:
     ]
     assert survivors == []
     assert not workdir.exists()
+
+
+def test_a_port_taken_before_bind_is_retried_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from tests.cluster import control_plane as module
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        real_free_port = module.free_port
+        # The first port handed out (etcd's client port) is already someone else's.
+        monkeypatch.setattr(module, "free_port", lambda: next(picks, None) or real_free_port())
+
+        cp = ControlPlane(name="iwg-retry").start()
+        try:
+            assert [p.name for p in cp.processes] == ["etcd", "kube-apiserver"]
+            assert all(p.alive() for p in cp.processes)
+            assert cp.kubectl("get", "--raw", "/readyz").stdout == "ok"
+        finally:
+            cp.stop()
