@@ -25,6 +25,15 @@ CURVE_DIR: Final = "IWG_CURVE_DIR"
 CURVE_SECRET_FILE: Final = "curve.key"
 CURVE_PUBLIC_FILE: Final = "curve.pub"
 
+# Liveness of the ZMQ link: workers and driver send heartbeats this often; a peer silent for
+# HEARTBEAT_MISSES intervals is gone.
+HEARTBEAT_INTERVAL: Final = "IWG_HEARTBEAT_INTERVAL_S"
+DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0
+DEFAULT_HEARTBEAT_MISSES: Final = 3
+
+# Benchmarks only: allow tcp without CURVE ("1"). Never set by the operator.
+INSECURE_TCP: Final = "IWG_INSECURE_TCP"
+
 # HTTP for kubelet probes and the operator's prober: /healthz /readyz /metrics.
 HEALTH_PORT: Final = "IWG_HEALTH_PORT"
 DEFAULT_HEALTH_PORT: Final = 8080

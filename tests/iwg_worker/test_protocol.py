@@ -1,0 +1,144 @@
+"""The wire format: round trips with zero-copy tensor frames, and strict rejection of anything else."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from iwg_worker import protocol
+
+
+def _wire(frames: list[object]) -> list[zmq.Frame]:
+    """What a receiver gets: each part as a zmq.Frame, as recv_multipart(copy=False) returns."""
+    return [zmq.Frame(bytes(memoryview(f))) if not isinstance(f, bytes) else zmq.Frame(f) for f in frames]
+
+
+def test_call_round_trip_keeps_tensors_dtypes_and_shapes() -> None:
+    args = [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        np.arange(6, dtype=np.int64).reshape(2, 3),
+        torch.empty((0, 5)),
+        {"nested": [torch.ones(2, dtype=torch.int8), "text", 3, None, b"raw"]},
+    ]
+    frames = protocol.encode_call(7, "echo", args, {"k": torch.zeros(1)}, reply_rank=1, deadline=12.5)
+    assert len(frames) == 1 + 6  # header + one frame per tensor
+    message = protocol.decode(_wire(frames))
+    assert isinstance(message, protocol.Call)
+    assert (message.id, message.method, message.reply_rank, message.deadline) == (7, "echo", 1, 12.5)
+    got = message.args
+    assert torch.equal(got[0], args[0]) and got[0].dtype == torch.float32
+    assert torch.equal(got[1], args[1]) and got[1].dtype == torch.bfloat16
+    assert isinstance(got[2], np.ndarray) and np.array_equal(got[2], args[2])
+    assert got[3].shape == (0, 5)
+    assert torch.equal(got[4]["nested"][0], torch.ones(2, dtype=torch.int8))
+    assert got[4]["nested"][1:] == ["text", 3, None, b"raw"]
+    assert torch.equal(message.kwargs["k"], torch.zeros(1))
+
+
+def test_tensor_frames_are_not_copied() -> None:
+    tensor = torch.arange(1024, dtype=torch.float32)
+    frames = protocol.encode_call(1, "echo", [tensor])
+    # Sender side: the frame is a view on the tensor's memory.
+    assert np.frombuffer(frames[1], dtype=np.uint8).ctypes.data == tensor.data_ptr()
+    # Receiver side: the tensor is a view on the received frame's memory.
+    wire = _wire(frames)
+    decoded = protocol.decode(wire)
+    assert isinstance(decoded, protocol.Call)
+    assert decoded.args[0].data_ptr() == np.frombuffer(wire[1].buffer, dtype=np.uint8).ctypes.data
+
+
+def test_reply_carries_structured_error() -> None:
+    error = protocol.RemoteErrorInfo("ValueError", "bad", "Traceback ...")
+    message = protocol.decode(_wire(protocol.encode_reply(3, 1, 2, error=error)))
+    assert message == protocol.Reply(id=3, replica=1, rank=2, ok=False, result=None, error=error)
+
+
+def test_unsendable_objects_are_refused_at_the_sender() -> None:
+    with pytest.raises(TypeError, match="cannot send a function"):
+        protocol.encode_call(1, "echo", [lambda: None])
+
+
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([pickle.dumps({"kind": "call"})], "msgpack"),
+        ([pickle.dumps(print)], "msgpack"),
+        ([b""], "msgpack"),
+        ([msgpack.packb([1, 2])], "must be a map"),
+        ([msgpack.packb({"kind": "exec"})], "unknown message kind"),
+        ([msgpack.packb({"kind": "ping", "ts": 1.0, "extra": 1})], "unexpected fields"),
+        ([msgpack.packb({"kind": "call", "id": 1})], "missing fields"),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "kind": "call",
+                        "id": "1",
+                        "method": "m",
+                        "args": [],
+                        "kwargs": {},
+                        "reply_rank": None,
+                        "deadline": None,
+                    }
+                )
+            ],
+            "field 'id'",
+        ),
+        ([msgpack.packb({"kind": "ping", "ts": 1.0}), b"stray"], "1 tensor frames sent, 0 referenced"),
+        (
+            [
+                msgpack.packb(
+                    {"kind": "ping", "ts": msgpack.ExtType(1, msgpack.packb([0, "pt", "float32", [4]]))}
+                ),
+                b"\x00" * 8,
+            ],
+            "holds 8 bytes",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {"kind": "ping", "ts": msgpack.ExtType(1, msgpack.packb([0, "pt", "object", [1]]))}
+                ),
+                b"\x00" * 8,
+            ],
+            "dtype 'object' is not allowed",
+        ),
+        ([msgpack.packb({"kind": "ping", "ts": msgpack.ExtType(9, b"")})], "extension type 9"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_a_reason(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(protocol.ProtocolError, match=reason):
+        protocol.decode(_wire(frames))
+
+
+_VALID = protocol.encode_call(5, "execute_model", [{"inputs": ["a"]}, torch.ones(3)], {"x": 1})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.lists(st.binary(max_size=256), min_size=0, max_size=4),
+        st.tuples(st.integers(0, len(bytes(_VALID[0])) - 1), st.integers(0, 255)).map(
+            lambda m: [
+                bytes(_VALID[0])[: m[0]] + bytes([m[1]]) + bytes(_VALID[0])[m[0] + 1 :],
+                bytes(_VALID[1]),
+            ]
+        ),
+    )
+)
+def test_decoding_arbitrary_frames_never_escapes_protocol_error(frames: list[bytes]) -> None:
+    try:
+        message = protocol.decode(_wire(frames))
+    except protocol.ProtocolError:
+        return
+    assert isinstance(
+        message, protocol.Call | protocol.Reply | protocol.Hello | protocol.Goodbye | protocol.Ping
+    )

@@ -1,0 +1,204 @@
+"""`Executor`: the one interface to a group's workers, whatever carries the calls.
+
+A group has ``replicas`` data-parallel replicas of ``world_size`` ranks each. Every call names a method (a
+string: a `METHOD_REGISTRY` helper or a public worker method) and goes to all ranks of one replica, or of
+every replica when ``replica`` is None.
+
+Result shape of `collective_rpc` / `collective_rpc_future`:
+
+- one replica targeted (``replica=r``, or ``replica=None`` with one replica): a list of each rank's result
+  in rank order, or the single result of ``unique_reply_rank`` when given (other ranks run the call and
+  reply only if they fail);
+- ``replica=None`` with several replicas: a list over replicas (in replica order) of the above.
+
+Failures raise (or fail the future with):
+
+- `RPCError`: the method raised on a worker; carries the worker's exception type, message and traceback;
+- `RPCTimeoutError`: no complete answer within ``timeout``; names the method and the silent ranks;
+- `ReplicaLostError`: a rank of the targeted replica left (goodbye, missed heartbeats, process died)
+  while the call was pending; names the method, replica and ranks;
+- `ReplicaUnavailableError`: the targeted replica is not serving (not all ranks joined) at call time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+DEFAULT_EXECUTE_TIMEOUT_S = 300.0
+DEFAULT_HEALTH_TIMEOUT_S = 10.0
+
+
+def _ranks(ranks: Iterable[tuple[int, int]]) -> str:
+    by_replica: dict[int, list[int]] = {}
+    for replica, rank in sorted(ranks):
+        by_replica.setdefault(replica, []).append(rank)
+    return "; ".join(f"replica {r} ranks {ks}" for r, ks in by_replica.items())
+
+
+class RPCError(RuntimeError):
+    """The called method raised on a worker."""
+
+    def __init__(
+        self, method: str, replica: int, rank: int, remote_type: str, message: str, remote_traceback: str
+    ) -> None:
+        self.method = method
+        self.replica = replica
+        self.rank = rank
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        text = f"{method!r} failed on replica {replica} rank {rank}: {remote_type}: {message}"
+        if remote_traceback:
+            text += f"\n--- worker traceback ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class RPCTimeoutError(TimeoutError):
+    def __init__(self, method: str, missing: Iterable[tuple[int, int]], timeout: float) -> None:
+        self.method = method
+        self.missing = sorted(missing)
+        self.timeout = timeout
+        super().__init__(f"{method!r} timed out after {timeout:g} s: no reply from {_ranks(self.missing)}")
+
+
+class ReplicaLostError(RuntimeError):
+    def __init__(self, method: str, replica: int, ranks: Iterable[int], reason: str) -> None:
+        self.method = method
+        self.replica = replica
+        self.ranks = sorted(ranks)
+        self.reason = reason
+        super().__init__(
+            f"{method!r} failed: replica {replica} lost ranks {self.ranks} while the call was pending ({reason})"
+        )
+
+
+class ReplicaUnavailableError(RuntimeError):
+    def __init__(self, method: str, replica: int, missing_ranks: Iterable[int]) -> None:
+        self.method = method
+        self.replica = replica
+        self.missing_ranks = sorted(missing_ranks)
+        super().__init__(
+            f"cannot call {method!r}: replica {replica} is not serving (ranks {self.missing_ranks} not joined)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    replica: int
+    rank: int
+    pod: str
+    routing_id: bytes
+    capabilities: dict[str, Any]
+    joined_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipEvent:
+    """``joined``/``left`` for one rank; ``serving``/``lost`` for a whole replica (rank is None)."""
+
+    kind: Literal["joined", "left", "serving", "lost"]
+    replica: int
+    rank: int | None
+    reason: str
+    serving: frozenset[int]
+
+
+MembershipCallback = Callable[[MembershipEvent], None]
+
+
+class Executor(ABC):
+    replicas: int = 1
+    world_size: int = 1
+    output_rank: int = 0
+
+    @abstractmethod
+    def collective_rpc_future(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Future[Any]:
+        """Send the call and return at once; the future holds the result (shape: module docstring)."""
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Any:
+        """Blocking call; raises the errors listed in the module docstring."""
+        return self.collective_rpc_future(method, args, kwargs, timeout, unique_reply_rank, replica).result()
+
+    async def collective_rpc_async(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Any:
+        """`collective_rpc` for asyncio callers: awaits without blocking the event loop."""
+        future = self.collective_rpc_future(method, args, kwargs, timeout, unique_reply_rank, replica)
+        return await asyncio.wrap_future(future)
+
+    def execute_model(
+        self,
+        batch: dict[str, Any],
+        timeout: float | None = DEFAULT_EXECUTE_TIMEOUT_S,
+        replica: int | None = None,
+    ) -> Any:
+        """Run one batch on a replica; the output rank's result."""
+        return self.collective_rpc(
+            "execute_model", (batch,), timeout=timeout, unique_reply_rank=self.output_rank, replica=replica
+        )
+
+    def check_health(self, timeout: float = DEFAULT_HEALTH_TIMEOUT_S, replica: int | None = None) -> Any:
+        """Every rank's `WorkerBase.check_health` report (shape as `collective_rpc`)."""
+        return self.collective_rpc("check_health", timeout=timeout, replica=replica)
+
+    def serving_replicas(self) -> frozenset[int]:
+        """Replicas whose every rank has joined and is alive."""
+        return frozenset(range(self.replicas))
+
+    def subscribe(self, callback: MembershipCallback) -> Callable[[], None]:
+        """Call ``callback(event)`` on every membership change; returns the unsubscribe function.
+
+        Callbacks run on the executor's I/O thread: keep them short and thread-safe (from asyncio, use
+        ``loop.call_soon_threadsafe``)."""
+        return lambda: None
+
+    def _target_replicas(self, replica: int | None) -> list[int]:
+        if replica is None:
+            return list(range(self.replicas))
+        if not 0 <= replica < self.replicas:
+            raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
+        return [replica]
+
+    def _check_reply_rank(self, unique_reply_rank: int | None) -> None:
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(f"unique_reply_rank must be in [0, {self.world_size}), got {unique_reply_rank}")
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers this executor owns and release its sockets; pending calls fail."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()

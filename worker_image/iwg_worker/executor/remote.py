@@ -1,0 +1,439 @@
+"""`RemoteExecutor`: the ZMQ side of a group, shared by `MultiprocExecutor` (ipc) and `ClusterExecutor` (tcp).
+
+It binds two sockets that workers connect to: ``rpc`` (ROUTER; calls and pings go out to each worker by its
+routing id) and ``response`` (PULL; hellos, heartbeats, replies and goodbyes come in). An I/O thread owns the
+response socket, the membership and the timers; callers send calls themselves under a lock, so a call costs
+no thread hop on the way out.
+
+Membership: a worker is a member from its hello (or a heartbeat, so a restarted driver relearns its workers)
+until its goodbye, a failed ping (its connection is gone), or ``heartbeat_interval_s * heartbeat_misses``
+without a heartbeat. A replica serves while all its ranks are members; when one leaves, the replica's
+pending calls fail with `ReplicaLostError` and other replicas keep serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from iwg_operator.api import wiring
+
+from iwg_worker import protocol
+from iwg_worker.executor.base import (
+    Executor,
+    Member,
+    MembershipCallback,
+    MembershipEvent,
+    ReplicaLostError,
+    ReplicaUnavailableError,
+    RPCError,
+    RPCTimeoutError,
+)
+from iwg_worker.security import CurveKeys, ZapAuthenticator, make_server
+
+log = logging.getLogger(__name__)
+
+_TICK_MS = 20
+
+
+@dataclass(slots=True)
+class _Pending:
+    id: int
+    method: str
+    targets: list[int]  # replicas, in result order
+    expected: set[tuple[int, int]]  # (replica, rank) still to reply
+    unique_reply_rank: int | None
+    world_size: int
+    future: Future[Any]
+    timeout: float | None
+    deadline: float | None  # monotonic
+    results: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def assemble(self) -> Any:
+        per_replica = []
+        for replica in self.targets:
+            if self.unique_reply_rank is not None:
+                per_replica.append(self.results[(replica, self.unique_reply_rank)])
+            else:
+                per_replica.append([self.results[(replica, rank)] for rank in range(self.world_size)])
+        return per_replica[0] if len(self.targets) == 1 else per_replica
+
+
+@dataclass(slots=True)
+class _MemberState:
+    member: Member
+    last_seen: float  # monotonic
+    reachable: bool  # a ping went through the rpc socket: calls can be routed to it
+
+
+class RemoteExecutor(Executor):
+    def __init__(
+        self,
+        rpc_endpoint: str,
+        response_endpoint: str,
+        replicas: int = 1,
+        world_size: int = 1,
+        keys: CurveKeys | None = None,
+        group: str = "",
+        heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
+        heartbeat_misses: int = wiring.DEFAULT_HEARTBEAT_MISSES,
+    ) -> None:
+        if replicas < 1 or world_size < 1:
+            raise ValueError(f"replicas and world_size must be >= 1, got {replicas} and {world_size}")
+        self.replicas = replicas
+        self.world_size = world_size
+        self.group = group
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_interval_s * heartbeat_misses
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._zap = ZapAuthenticator(self._context, keys.public) if keys is not None else None
+        self._rpc = self._context.socket(zmq.ROUTER)
+        self._rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._rpc.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._response = self._context.socket(zmq.PULL)
+        for sock in (self._rpc, self._response):
+            sock.linger = 0
+            if keys is not None:
+                make_server(sock, keys)
+        self._rpc.bind(rpc_endpoint)
+        self._response.bind(response_endpoint)
+        self.rpc_endpoint: str = self._rpc.get_string(zmq.LAST_ENDPOINT)
+        self.response_endpoint: str = self._response.get_string(zmq.LAST_ENDPOINT)
+
+        self._lock = threading.Lock()  # membership and pending calls
+        self._send_lock = threading.Lock()  # the rpc socket
+        self._changed = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._members: dict[tuple[int, int], _MemberState] = {}
+        self._routes: dict[int, tuple[bytes, ...]] = {}  # serving replica -> routing ids by rank
+        self._serving: frozenset[int] = frozenset()
+        self._subscribers: list[MembershipCallback] = []
+        self._closed = threading.Event()
+        self._io_thread = threading.Thread(target=self._io_loop, name="iwg-executor-io", daemon=True)
+        self._io_thread.start()
+
+    # -- public ----------------------------------------------------------------------------------------
+
+    def serving_replicas(self) -> frozenset[int]:
+        return self._serving
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return [s.member for s in self._members.values()]
+
+    def subscribe(self, callback: MembershipCallback) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def wait_until_serving(self, replicas: Iterable[int] | None = None, timeout: float = 120.0) -> None:
+        """Block until the given replicas (all by default) serve; `TimeoutError` names the missing ranks."""
+        wanted = set(range(self.replicas) if replicas is None else replicas)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not wanted <= self._serving:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    missing = sorted(
+                        (r, k) for r in wanted for k in range(self.world_size) if (r, k) not in self._members
+                    )
+                    raise TimeoutError(
+                        f"replicas {sorted(wanted - self._serving)} not serving; missing {missing}"
+                    )
+                self._changed.wait(min(left, 0.5))
+
+    def collective_rpc_future(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Future[Any]:
+        if not isinstance(method, str) or not method:
+            raise TypeError(f"method must be a method name (str), got {method!r}")
+        targets = self._target_replicas(replica)
+        self._check_reply_rank(unique_reply_rank)
+        if self._closed.is_set():
+            raise RuntimeError("executor is shut down")
+        future: Future[Any] = Future()
+        call_id = next(self._ids)
+        reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
+        now = time.monotonic()
+        pending = _Pending(
+            id=call_id,
+            method=method,
+            targets=targets,
+            expected={(r, k) for r in targets for k in reply_ranks},
+            unique_reply_rank=unique_reply_rank,
+            world_size=self.world_size,
+            future=future,
+            timeout=timeout,
+            deadline=None if timeout is None else now + timeout,
+        )
+        with self._lock:
+            routes = []
+            for r in targets:
+                route = self._routes.get(r)
+                if route is None:
+                    missing = [k for k in range(self.world_size) if (r, k) not in self._members]
+                    raise ReplicaUnavailableError(method, r, missing or list(range(self.world_size)))
+                routes.append((r, route))
+            self._pending[call_id] = pending
+        frames = protocol.encode_call(
+            call_id,
+            method,
+            args,
+            kwargs,
+            unique_reply_rank,
+            None if timeout is None else time.time() + timeout,
+        )
+        with self._send_lock:
+            for r, route in routes:
+                for rank, routing_id in enumerate(route):
+                    try:
+                        self._rpc.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError as exc:
+                        # Unreachable or a full queue: this replica cannot take the call now.
+                        self._fail_pending(
+                            call_id, ReplicaLostError(method, r, [rank], f"send failed: {exc}")
+                        )
+                        return future
+        return future
+
+    def shutdown(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._io_thread.join(timeout=5)
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(
+                    RuntimeError(f"{p.method!r}: executor shut down while the call was pending")
+                )
+        with self._send_lock:
+            self._rpc.close(linger=0)
+        self._response.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        self._context.term()
+
+    # -- I/O thread ------------------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._response, zmq.POLLIN)
+        next_ping = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                ready = poller.poll(_TICK_MS)
+            except zmq.ZMQError:
+                break
+            if ready:
+                self._drain()
+            now = time.monotonic()
+            if now >= next_ping:
+                self._ping_members()
+                next_ping = now + self.heartbeat_interval_s
+            self._retry_unreachable()
+            self._expire_members(now)
+            self._expire_calls(now)
+            self._on_tick()
+
+    def _on_tick(self) -> None:
+        """Hook for subclasses (process monitoring); runs on the I/O thread every tick."""
+
+    def _drain(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._response.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = protocol.decode(frames)
+            except protocol.ProtocolError as exc:
+                log.warning("rejected a malformed message from a worker: %s", exc)
+                continue
+            if isinstance(message, protocol.Reply):
+                self._on_reply(message)
+            elif isinstance(message, protocol.Hello):
+                self._on_hello(message)
+            elif isinstance(message, protocol.Goodbye):
+                self._member_left(message.replica, message.rank, f"goodbye: {message.reason}")
+            else:
+                log.warning("rejected a %s message on the response socket", type(message).__name__)
+
+    def _on_reply(self, reply: protocol.Reply) -> None:
+        with self._lock:
+            pending = self._pending.get(reply.id)
+            if pending is None:
+                return
+            key = (reply.replica, reply.rank)
+            if reply.error is not None:
+                del self._pending[reply.id]
+            elif key in pending.expected:
+                pending.expected.discard(key)
+                pending.results[key] = reply.result
+                if pending.expected:
+                    return
+                del self._pending[reply.id]
+            else:
+                return
+        if pending.future.done():
+            return
+        if reply.error is not None:
+            e = reply.error
+            pending.future.set_exception(
+                RPCError(pending.method, reply.replica, reply.rank, e.type, e.message, e.traceback)
+            )
+        else:
+            pending.future.set_result(pending.assemble())
+
+    def _on_hello(self, hello: protocol.Hello) -> None:
+        key = (hello.replica, hello.rank)
+        problem = None
+        if not 0 <= hello.replica < self.replicas:
+            problem = f"replica {hello.replica} outside [0, {self.replicas})"
+        elif not 0 <= hello.rank < self.world_size or hello.world_size != self.world_size:
+            problem = f"rank {hello.rank} of world size {hello.world_size}; this group has world size {self.world_size}"
+        elif self.group and hello.group != self.group:
+            problem = f"group {hello.group!r} is not {self.group!r}"
+        if problem:
+            log.warning("ignored %s from pod %r: %s", hello.kind, hello.pod, problem)
+            return
+        now = time.monotonic()
+        state = self._members.get(key)
+        if state is not None and state.member.routing_id == hello.routing_id:
+            state.last_seen = now
+            return
+        if state is not None:
+            self._member_left(hello.replica, hello.rank, f"replaced by pod {hello.pod!r}")
+        member = Member(
+            hello.replica, hello.rank, hello.pod, hello.routing_id, hello.capabilities, time.time()
+        )
+        with self._lock:
+            self._members[key] = _MemberState(member, now, reachable=False)
+        self._try_reach(key)
+
+    def _try_reach(self, key: tuple[int, int]) -> None:
+        state = self._members.get(key)
+        if state is None or state.reachable:
+            return
+        try:
+            with self._send_lock:
+                self._rpc.send_multipart(
+                    [state.member.routing_id, *protocol.encode_ping(time.time())], flags=zmq.NOBLOCK
+                )
+        except zmq.ZMQError:
+            return  # its rpc connection is not up yet; retried every tick
+        events = []
+        with self._lock:
+            state.reachable = True
+            events.append(MembershipEvent("joined", key[0], key[1], f"pod {state.member.pod}", self._serving))
+            events.extend(self._recompute_serving(key[0], "all ranks joined"))
+        self._publish(events)
+
+    def _retry_unreachable(self) -> None:
+        for key in [k for k, s in self._members.items() if not s.reachable]:
+            self._try_reach(key)
+
+    def _ping_members(self) -> None:
+        frames = protocol.encode_ping(time.time())
+        for key, state in list(self._members.items()):
+            if not state.reachable:
+                continue
+            try:
+                with self._send_lock:
+                    self._rpc.send_multipart([state.member.routing_id, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    self._member_left(key[0], key[1], "connection lost")
+
+    def _expire_members(self, now: float) -> None:
+        for key, state in list(self._members.items()):
+            silent = now - state.last_seen
+            if silent > self.heartbeat_timeout_s:
+                self._member_left(key[0], key[1], f"no heartbeat for {silent:.1f} s")
+
+    def _expire_calls(self, now: float) -> None:
+        expired = []
+        with self._lock:
+            for call_id, p in list(self._pending.items()):
+                if p.deadline is not None and now >= p.deadline:
+                    expired.append(p)
+                    del self._pending[call_id]
+        for p in expired:
+            if not p.future.done():
+                p.future.set_exception(RPCTimeoutError(p.method, p.expected, p.timeout or 0.0))
+
+    def _member_left(self, replica: int, rank: int, reason: str) -> None:
+        key = (replica, rank)
+        failed: list[_Pending] = []
+        events: list[MembershipEvent] = []
+        with self._lock:
+            state = self._members.pop(key, None)
+            if state is None:
+                return
+            log.warning("replica %d rank %d (pod %s) left: %s", replica, rank, state.member.pod, reason)
+            events.append(MembershipEvent("left", replica, rank, reason, self._serving))
+            events.extend(self._recompute_serving(replica, f"rank {rank} left: {reason}"))
+            for call_id, p in list(self._pending.items()):
+                if replica in p.targets:
+                    failed.append(p)
+                    del self._pending[call_id]
+        for p in failed:
+            if not p.future.done():
+                p.future.set_exception(ReplicaLostError(p.method, replica, [rank], reason))
+        self._publish(events)
+
+    def _recompute_serving(self, replica: int, reason: str) -> list[MembershipEvent]:
+        """Update routes and the serving set for one replica; caller holds the lock."""
+        states = [self._members.get((replica, k)) for k in range(self.world_size)]
+        serving_now = all(s is not None and s.reachable for s in states)
+        was_serving = replica in self._serving
+        if serving_now:
+            self._routes[replica] = tuple(s.member.routing_id for s in states if s is not None)
+        else:
+            self._routes.pop(replica, None)
+        if serving_now == was_serving:
+            return []
+        self._serving = self._serving | {replica} if serving_now else self._serving - {replica}
+        self._changed.notify_all()
+        log.info("replica %d %s (%s)", replica, "serving" if serving_now else "lost", reason)
+        return [MembershipEvent("serving" if serving_now else "lost", replica, None, reason, self._serving)]
+
+    def _publish(self, events: list[MembershipEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for event in events:
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("membership subscriber %r failed", callback)
+
+    def _fail_pending(self, call_id: int, error: Exception) -> None:
+        with self._lock:
+            pending = self._pending.pop(call_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(error)

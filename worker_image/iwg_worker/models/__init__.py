@@ -1,0 +1,1 @@
+"""Model runners behind the torch worker: one module per task."""

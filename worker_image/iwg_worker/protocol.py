@@ -1,0 +1,416 @@
+"""The wire protocol between the driver (executors) and workers: msgpack headers plus raw tensor frames.
+
+A message is a ZMQ multipart: frame 0 is a msgpack map (the header), frames 1..n are raw buffers of the
+tensors the header refers to. A tensor inside ``args``/``kwargs``/``result`` is encoded in the header as a
+msgpack extension (code ``TENSOR_EXT``) holding ``[frame_index, kind, dtype, shape]``; its bytes travel in
+their own frame, sent without a copy. Nothing else is allowed: no pickle, no callables, no object graph.
+
+Message kinds and their header keys (every key required, no others allowed):
+
+- ``call``: ``{kind, id, method, args, kwargs, reply_rank, deadline}`` driver -> worker
+- ``reply``: ``{kind, id, replica, rank, ok, result, error}`` worker -> driver; ``error`` is
+  ``{type, message, traceback}`` or nil
+- ``hello`` / ``heartbeat``: ``{kind, group, replica, rank, world_size, pod, routing_id, capabilities}``
+  worker -> driver; a heartbeat repeats the hello so a restarted driver relearns its members
+- ``goodbye``: ``{kind, replica, rank, reason}`` worker -> driver
+- ``ping``: ``{kind, ts}`` driver -> worker heartbeat
+
+Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
+receiver logs and drops before serving the next message.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+TENSOR_EXT: Final = 1
+MAX_HEADER_BYTES: Final = 64 * 1024 * 1024
+MAX_FRAMES: Final = 4096
+
+# Tensors arrive as numpy or torch; both keep their kind across the wire.
+_KIND_NUMPY: Final = "np"
+_KIND_TORCH: Final = "pt"
+
+_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+# bfloat16 has no numpy dtype: it travels as its raw 2-byte words.
+_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NUMPY_DTYPES.items()} | {"bfloat16": 2}
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the receiver drops it and keeps serving."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    id: int
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    reply_rank: int | None
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteErrorInfo:
+    type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    id: int
+    replica: int
+    rank: int
+    ok: bool
+    result: Any
+    error: RemoteErrorInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Join (``kind='hello'``) or keep-alive (``kind='heartbeat'``) from a worker."""
+
+    kind: str
+    group: str
+    replica: int
+    rank: int
+    world_size: int
+    pod: str
+    routing_id: bytes
+    capabilities: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    replica: int
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    ts: float
+
+
+Message = Call | Reply | Hello | Goodbye | Ping
+
+_KEYS: Final[dict[str, frozenset[str]]] = {
+    "call": frozenset({"kind", "id", "method", "args", "kwargs", "reply_rank", "deadline"}),
+    "reply": frozenset({"kind", "id", "replica", "rank", "ok", "result", "error"}),
+    "hello": frozenset(
+        {"kind", "group", "replica", "rank", "world_size", "pod", "routing_id", "capabilities"}
+    ),
+    "heartbeat": frozenset(
+        {"kind", "group", "replica", "rank", "world_size", "pod", "routing_id", "capabilities"}
+    ),
+    "goodbye": frozenset({"kind", "replica", "rank", "reason"}),
+    "ping": frozenset({"kind", "ts"}),
+}
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+def _torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+
+
+class _Encoder:
+    __slots__ = ("frames",)
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return self._tensor(_KIND_NUMPY, obj)
+        if _is_torch_tensor(obj):
+            return self._torch(obj)
+        if isinstance(obj, tuple):
+            return list(obj)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise TypeError(
+            f"cannot send a {type(obj).__qualname__} over the wire (msgpack types and tensors only)"
+        )
+
+    def _torch(self, tensor: Any) -> msgpack.ExtType:
+        torch = _torch_module()
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.contiguous()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _ITEMSIZE:
+            raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
+        shape = list(tensor.shape)
+        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        return self._frame(_KIND_TORCH, dtype, shape, raw)
+
+    def _tensor(self, kind: str, array: np.ndarray[Any, Any]) -> msgpack.ExtType:
+        dtype = array.dtype.name
+        if dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"cannot send an array of dtype {array.dtype}")
+        array = np.ascontiguousarray(array)
+        return self._frame(kind, dtype, list(array.shape), array.reshape(-1).view(np.uint8))
+
+    def _frame(self, kind: str, dtype: str, shape: list[int], raw: Any) -> msgpack.ExtType:
+        index = len(self.frames)
+        self.frames.append(memoryview(raw) if not isinstance(raw, bytes) else raw)
+        return msgpack.ExtType(TENSOR_EXT, msgpack.packb([index, kind, dtype, shape]))
+
+
+def encode(header: dict[str, Any]) -> list[Any]:
+    """Header dict -> multipart frames: the msgpack header, then one raw buffer per tensor (no copies)."""
+    encoder = _Encoder()
+    packed = msgpack.packb(header, default=encoder.default, use_bin_type=True, datetime=False)
+    return [packed, *encoder.frames]
+
+
+def encode_call(
+    call_id: int,
+    method: str,
+    args: tuple[Any, ...] | list[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    reply_rank: int | None = None,
+    deadline: float | None = None,
+) -> list[Any]:
+    return encode(
+        {
+            "kind": "call",
+            "id": call_id,
+            "method": method,
+            "args": list(args),
+            "kwargs": kwargs or {},
+            "reply_rank": reply_rank,
+            "deadline": deadline,
+        }
+    )
+
+
+def encode_reply(
+    call_id: int, replica: int, rank: int, result: Any = None, error: RemoteErrorInfo | None = None
+) -> list[Any]:
+    return encode(
+        {
+            "kind": "reply",
+            "id": call_id,
+            "replica": replica,
+            "rank": rank,
+            "ok": error is None,
+            "result": result if error is None else None,
+            "error": None
+            if error is None
+            else {"type": error.type, "message": error.message, "traceback": error.traceback},
+        }
+    )
+
+
+def encode_hello(hello: Hello) -> list[Any]:
+    return encode(
+        {
+            "kind": hello.kind,
+            "group": hello.group,
+            "replica": hello.replica,
+            "rank": hello.rank,
+            "world_size": hello.world_size,
+            "pod": hello.pod,
+            "routing_id": hello.routing_id,
+            "capabilities": hello.capabilities,
+        }
+    )
+
+
+def encode_goodbye(replica: int, rank: int, reason: str) -> list[Any]:
+    return encode({"kind": "goodbye", "replica": replica, "rank": rank, "reason": reason})
+
+
+def encode_ping(ts: float) -> list[Any]:
+    return encode({"kind": "ping", "ts": ts})
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+class _Decoder:
+    __slots__ = ("frames", "used")
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+        self.used = 0
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code != TENSOR_EXT:
+            raise ProtocolError(f"unknown msgpack extension type {code}")
+        try:
+            spec = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:
+            raise ProtocolError(f"malformed tensor descriptor: {exc}") from None
+        if not (isinstance(spec, list) and len(spec) == 4):
+            raise ProtocolError("tensor descriptor must be [frame, kind, dtype, shape]")
+        index, kind, dtype, shape = spec
+        if type(index) is not int or not 0 <= index < len(self.frames):
+            raise ProtocolError(f"tensor frame index {index!r} out of range ({len(self.frames)} frames)")
+        if kind not in (_KIND_NUMPY, _KIND_TORCH):
+            raise ProtocolError(f"unknown tensor kind {kind!r}")
+        if dtype not in _ITEMSIZE or (kind == _KIND_NUMPY and dtype not in _NUMPY_DTYPES):
+            raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) or len(shape) > 32:
+            raise ProtocolError(f"tensor shape {shape!r} is not a list of non-negative ints")
+        buf = _buffer(self.frames[index])
+        if len(buf) != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise ProtocolError(
+                f"tensor frame {index} holds {len(buf)} bytes, shape {shape} of {dtype} needs "
+                f"{math.prod(shape) * _ITEMSIZE[dtype]}"
+            )
+        self.used += 1
+        if kind == _KIND_NUMPY:
+            return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
+        return _torch_from_buffer(buf, dtype, shape)
+
+
+def _buffer(frame: Any) -> memoryview:
+    if isinstance(frame, bytes | bytearray | memoryview):
+        return memoryview(frame)
+    return memoryview(frame.buffer)  # zmq.Frame received with copy=False
+
+
+def _torch_from_buffer(buf: memoryview, dtype: str, shape: list[int]) -> Any:
+    torch = _torch_module()
+    torch_dtype = getattr(torch, dtype)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    # The frame's memory is read-only; the tensor shares it (zero copy). Workers never write into inputs.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(torch_dtype).reshape(shape)
+
+
+def _require(header: dict[str, Any], key: str, types: type | tuple[type, ...], nullable: bool = False) -> Any:
+    value = header[key]
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ProtocolError(f"field {key!r} must be {types}, got bool")
+    if not isinstance(value, types):
+        raise ProtocolError(f"field {key!r} must be {types}, got {type(value).__name__}")
+    return value
+
+
+def decode(frames: list[Any]) -> Message:
+    """Multipart frames -> a message; raises `ProtocolError` for anything else (pickle, junk, bad shapes)."""
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"too many frames ({len(frames)})")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    decoder = _Decoder(frames[1:])
+    try:
+        header = msgpack.unpackb(
+            head,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=decoder.ext_hook,
+            use_list=True,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"header is not a msgpack message: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    kind = header.get("kind")
+    if not isinstance(kind, str) or kind not in _KEYS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    keys = set(header)
+    if keys != _KEYS[kind]:
+        missing = sorted(_KEYS[kind] - keys)
+        extra = sorted(str(k) for k in keys - _KEYS[kind])
+        raise ProtocolError(f"{kind} header: missing fields {missing}, unexpected fields {extra}")
+    if decoder.used != len(decoder.frames):
+        raise ProtocolError(f"{len(decoder.frames)} tensor frames sent, {decoder.used} referenced")
+    return _build(kind, header)
+
+
+def _build(kind: str, h: dict[str, Any]) -> Message:
+    if kind == "call":
+        method = _require(h, "method", str)
+        if not method:
+            raise ProtocolError("field 'method' must not be empty")
+        return Call(
+            id=_require(h, "id", int),
+            method=method,
+            args=_require(h, "args", list),
+            kwargs=_require(h, "kwargs", dict),
+            reply_rank=_require(h, "reply_rank", int, nullable=True),
+            deadline=_require(h, "deadline", (float, int), nullable=True),
+        )
+    if kind == "reply":
+        ok = _require(h, "ok", bool)
+        error = _require(h, "error", dict, nullable=True)
+        info = None
+        if error is not None:
+            if set(error) != {"type", "message", "traceback"} or not all(
+                isinstance(v, str) for v in error.values()
+            ):
+                raise ProtocolError("field 'error' must be {type, message, traceback} strings")
+            info = RemoteErrorInfo(error["type"], error["message"], error["traceback"])
+        if ok == (info is not None):
+            raise ProtocolError("field 'ok' contradicts field 'error'")
+        return Reply(
+            id=_require(h, "id", int),
+            replica=_require(h, "replica", int),
+            rank=_require(h, "rank", int),
+            ok=ok,
+            result=h["result"],
+            error=info,
+        )
+    if kind in ("hello", "heartbeat"):
+        return Hello(
+            kind=kind,
+            group=_require(h, "group", str),
+            replica=_require(h, "replica", int),
+            rank=_require(h, "rank", int),
+            world_size=_require(h, "world_size", int),
+            pod=_require(h, "pod", str),
+            routing_id=_require(h, "routing_id", bytes),
+            capabilities=_require(h, "capabilities", dict),
+        )
+    if kind == "goodbye":
+        return Goodbye(
+            replica=_require(h, "replica", int),
+            rank=_require(h, "rank", int),
+            reason=_require(h, "reason", str),
+        )
+    return Ping(ts=_require(h, "ts", (float, int)))

@@ -1,0 +1,164 @@
+"""`TorchWorker`: the CUDA/CPU implementation of `WorkerBase` for the ``embed`` and ``generate`` tasks."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from iwg_worker import distributed
+from iwg_worker.worker_base import WorkerBase, WorkerConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def host_memory_info() -> tuple[int, int]:
+    """(available, total) bytes of host memory, from /proc/meminfo where present."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return free, total
+
+
+class TorchWorker(WorkerBase):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.device: torch.device | None = None
+        self.device_note = ""
+        self.dtype = torch.float32
+        self.model: Any = None
+        self.last_step_s: float | None = None
+        self.last_step_at: float | None = None
+        self.steps = 0
+        self.distributed_backend: str | None = None
+        self.batch_params: dict[str, Any] = {}
+
+    # -- WorkerBase ------------------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        wanted = self.config.device
+        cuda = torch.cuda.is_available()
+        if wanted == "cuda" and not cuda:
+            raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device")
+        if wanted == "cuda" or (wanted == "auto" and cuda):
+            index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+            self.device_note = torch.cuda.get_device_name(self.device)
+        else:
+            self.device = torch.device("cpu")
+            self.device_note = "CPU: no CUDA device available" if wanted == "auto" else "CPU: requested"
+        if self.config.dtype == "auto":
+            self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[self.config.dtype]
+        if self.config.world_size > 1:
+            self.distributed_backend = distributed.init_distributed(
+                distributed.Rendezvous.from_env(), self.device
+            )
+
+    def load_model(self) -> None:
+        device = self._require_device()
+        if self.config.task == "embed":
+            from iwg_worker.models.embed import EmbeddingModel
+
+            self.model = EmbeddingModel(
+                self.config.model_path, device, self.dtype, self.config.max_seq_length
+            )
+        elif self.config.task == "generate":
+            from iwg_worker.models.generate import CausalLM
+
+            self.model = CausalLM(self.config.model_path, device, self.dtype)
+
+    def execute_model(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(batch, dict):
+            raise TypeError(f"batch must be a map, got {type(batch).__name__}")
+        if self.model is None:
+            raise RuntimeError(f"no model loaded (task {self.config.task!r})")
+        started = time.perf_counter()
+        if self.config.task == "embed":
+            if "inputs" not in batch:
+                raise ValueError("an embed batch needs field 'inputs' (a list of strings)")
+            result: dict[str, Any] = {"embeddings": self.model.embed(batch["inputs"])}
+        else:
+            result = self.model.generate(batch)
+        self.last_step_s = time.perf_counter() - started
+        self.last_step_at = time.time()
+        self.steps += 1
+        return result
+
+    def get_memory_info(self) -> tuple[int, int]:
+        device = self.device
+        if device is not None and device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return int(free), int(total)
+        return host_memory_info()
+
+    def check_health(self) -> dict[str, Any]:
+        free, total = self.get_memory_info() if self.device is not None else (0, 0)
+        return {
+            "device": str(self.device) if self.device is not None else None,
+            "device_available": self._device_available(),
+            "device_note": self.device_note,
+            "cpu": self.device is not None and self.device.type == "cpu",
+            "memory_free_bytes": free,
+            "memory_total_bytes": total,
+            "model_loaded": self.model is not None or self.config.task == "none",
+            "task": self.config.task,
+            "last_step_s": self.last_step_s,
+            "last_step_at": self.last_step_at,
+            "steps": self.steps,
+            "distributed": self.distributed_backend,
+        }
+
+    def shutdown(self) -> None:
+        self.model = None
+        distributed.destroy_distributed()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- public methods callable by name --------------------------------------------------------------
+
+    def tp_reference(self, x: torch.Tensor, seed: int, hidden: int) -> torch.Tensor:
+        """Run the tensor-parallel reference MLP on this replica's ranks (all ranks must be called)."""
+        device = self._require_device()
+        w1, b1, w2, b2 = distributed.reference_weights(seed, x.shape[-1], hidden)
+        module = distributed.TensorParallelMLP(w1, b1, w2, b2, self.config.rank, self.config.world_size).to(
+            device
+        )
+        result: torch.Tensor = module(x.double().to(device)).cpu()
+        return result
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "task": self.config.task,
+            "served_name": self.config.served_name,
+            "replica": self.config.replica,
+            "rank": self.config.rank,
+            "world_size": self.config.world_size,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _require_device(self) -> torch.device:
+        if self.device is None:
+            raise RuntimeError("init_device() must run before this call")
+        return self.device
+
+    def _device_available(self) -> bool:
+        if self.device is None:
+            return False
+        if self.device.type == "cuda":
+            return bool(torch.cuda.is_available())
+        return True

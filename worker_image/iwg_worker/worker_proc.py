@@ -1,0 +1,417 @@
+"""`WorkerProc`: the process around one worker, and `main()` for the ``iwg-worker`` console script.
+
+Start order: wrapper -> init_worker -> init_device (joins torch.distributed when world size > 1) ->
+load_model -> sockets -> hello -> busy loop. The busy loop reads calls from ``rpc_broadcast_mq`` (a DEALER
+connected to the driver's RPC endpoint), runs them one at a time, and hands replies to the output path
+(``worker_response_mq``, a PUSH connected to the driver's response endpoint). A reply is sent straight from
+the busy loop only when that cannot block (nothing queued, a non-blocking send succeeds); otherwise the
+output thread sends it, so sending never holds up the next execution. The output thread also sends the
+heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
+finishes, a goodbye is sent, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import zmq
+from iwg_operator.api import wiring
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from iwg_worker import protocol
+from iwg_worker.health_server import HealthServer
+from iwg_worker.method_registry import UnknownMethodError
+from iwg_worker.security import CurveKeys, make_client
+from iwg_worker.worker_base import WorkerConfig
+from iwg_worker.worker_wrapper import WorkerWrapperBase
+
+log = logging.getLogger("iwg_worker.worker_proc")
+
+DEFAULT_WORKER_CLS = "iwg_worker.torch_worker.TorchWorker"
+LIVENESS_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProcConfig:
+    worker: WorkerConfig
+    rpc_endpoint: str
+    response_endpoint: str
+    curve_dir: str | None = None
+    insecure_tcp: bool = False
+    health_host: str = "127.0.0.1"
+    health_port: int = wiring.DEFAULT_HEALTH_PORT
+    heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S
+    pod_name: str = ""
+    worker_cls: str = DEFAULT_WORKER_CLS
+    worker_extension_cls: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, endpoint in (
+            (wiring.RPC_ENDPOINT, self.rpc_endpoint),
+            (wiring.RESPONSE_ENDPOINT, self.response_endpoint),
+        ):
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be tcp://host:port or ipc://path, got {endpoint!r}")
+            if endpoint.startswith("tcp://") and not self.curve_dir and not self.insecure_tcp:
+                raise ValueError(f"{name} is tcp but {wiring.CURVE_DIR} is not set: tcp needs CURVE")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"{wiring.HEARTBEAT_INTERVAL} must be > 0, got {self.heartbeat_interval_s}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerProcConfig:
+        env = dict(os.environ if environ is None else environ)
+
+        def need(name: str) -> str:
+            value = env.get(name)
+            if not value:
+                raise ValueError(f"environment variable {name} is required")
+            return value
+
+        def integer(name: str, default: int) -> int:
+            raw = env.get(name)
+            if not raw:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+        try:
+            heartbeat = float(env.get(wiring.HEARTBEAT_INTERVAL) or wiring.DEFAULT_HEARTBEAT_INTERVAL_S)
+        except ValueError:
+            raise ValueError(f"environment variable {wiring.HEARTBEAT_INTERVAL} must be a number") from None
+        worker = WorkerConfig(
+            task=env.get(wiring.MODEL_TASK) or "none",  # type: ignore[arg-type]  # validated by WorkerConfig
+            model_path=env.get(wiring.MODEL_PATH, ""),
+            served_name=env.get(wiring.SERVED_NAME, ""),
+            device=env.get(wiring.DEVICE) or "auto",  # type: ignore[arg-type]
+            dtype=env.get(wiring.DTYPE) or "auto",  # type: ignore[arg-type]
+            group=env.get(wiring.GROUP) or "local",
+            replica=integer(wiring.REPLICA, 0),
+            rank=integer(wiring.RANK, 0),
+            world_size=integer(wiring.WORLD_SIZE, 1),
+        )
+        return cls(
+            worker=worker,
+            rpc_endpoint=need(wiring.RPC_ENDPOINT),
+            response_endpoint=need(wiring.RESPONSE_ENDPOINT),
+            curve_dir=env.get(wiring.CURVE_DIR) or None,
+            insecure_tcp=env.get(wiring.INSECURE_TCP) == "1",
+            health_host=env.get(wiring.POD_IP) or "127.0.0.1",
+            health_port=integer(wiring.HEALTH_PORT, wiring.DEFAULT_HEALTH_PORT),
+            heartbeat_interval_s=heartbeat,
+            pod_name=env.get(wiring.POD_NAME) or f"{os.uname().nodename}-{os.getpid()}",
+            worker_cls=env.get(wiring.WORKER_CLS) or DEFAULT_WORKER_CLS,
+            worker_extension_cls=env.get(wiring.WORKER_EXTENSION_CLS) or None,
+        )
+
+
+class _Metrics:
+    def __init__(self, wrapper: WorkerWrapperBase) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("iwg_worker_requests", "Calls served", ["method"], registry=self.registry)
+        self.errors = Counter("iwg_worker_errors", "Calls that raised", ["method"], registry=self.registry)
+        self.rejected = Counter(
+            "iwg_worker_rejected_messages", "Malformed messages dropped", registry=self.registry
+        )
+        self.step = Histogram(
+            "iwg_worker_step_seconds",
+            "Call duration",
+            ["method"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        free = Gauge("iwg_worker_device_memory_free_bytes", "Free device memory", registry=self.registry)
+        total = Gauge("iwg_worker_device_memory_total_bytes", "Total device memory", registry=self.registry)
+        free.set_function(lambda: float(wrapper.require_worker().get_memory_info()[0]))
+        total.set_function(lambda: float(wrapper.require_worker().get_memory_info()[1]))
+
+
+class WorkerProc:
+    def __init__(self, config: WorkerProcConfig) -> None:
+        self.config = config
+        self.replica = config.worker.replica
+        self.rank = config.worker.rank
+        self.wrapper = WorkerWrapperBase(rpc_rank=0)
+        self.wrapper.init_worker(
+            [
+                {
+                    "worker_cls": config.worker_cls,
+                    "worker_extension_cls": config.worker_extension_cls,
+                    "config": config.worker,
+                }
+            ]
+        )
+        self.metrics = _Metrics(self.wrapper)
+        self._stopping = threading.Event()
+        self._loop_tick = time.monotonic()
+        self._in_flight: tuple[str, float | None] | None = None
+        self._last_ping: float | None = None
+        self._model_loaded = False
+        self.health = HealthServer(
+            config.health_host, config.health_port, self._liveness, self._readiness, self.metrics.registry
+        )
+        self.health.start()
+        worker = self.wrapper.require_worker()
+        worker.init_device()
+        worker.load_model()
+        self._model_loaded = True
+
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.routing_id = f"{self.replica}/{self.rank}/{uuid.uuid4().hex[:8]}".encode()
+        keys = CurveKeys.load(config.curve_dir) if config.curve_dir else None
+        self.rpc_broadcast_mq = self._context.socket(zmq.DEALER)
+        self.rpc_broadcast_mq.routing_id = self.routing_id
+        self.worker_response_mq = self._context.socket(zmq.PUSH)
+        for sock, endpoint in (
+            (self.rpc_broadcast_mq, config.rpc_endpoint),
+            (self.worker_response_mq, config.response_endpoint),
+        ):
+            sock.linger = 2000
+            if keys is not None and endpoint.startswith("tcp://"):
+                make_client(sock, keys)
+            sock.connect(endpoint)
+        self._send_lock = threading.Lock()
+        self._output_closing = False
+        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
+        self._output_thread.start()
+        self._emit(self._hello("hello"), force_queue=True)
+        log.info(
+            "worker replica %d rank %d/%d ready on %s (%s), health on :%d",
+            self.replica,
+            self.rank,
+            config.worker.world_size,
+            worker.check_health().get("device"),
+            config.worker.task,
+            self.health.port,
+        )
+
+    # -- probes ----------------------------------------------------------------------------------------
+
+    def _liveness(self) -> tuple[bool, dict[str, Any]]:
+        now = time.monotonic()
+        in_flight = self._in_flight
+        loop_age = now - self._loop_tick
+        if in_flight is not None:
+            _method, deadline = in_flight
+            alive = deadline is None or time.time() < deadline + LIVENESS_TIMEOUT_S
+        else:
+            alive = loop_age < LIVENESS_TIMEOUT_S
+        report = self.wrapper.require_worker().check_health()
+        alive = alive and bool(report.get("device_available"))
+        return alive, {
+            "alive": alive,
+            "busy_loop_age_s": round(loop_age, 3),
+            "in_flight": in_flight[0] if in_flight else None,
+            "driver_ping_age_s": None if self._last_ping is None else round(now - self._last_ping, 3),
+            "replica": self.replica,
+            "rank": self.rank,
+            "worker": report,
+        }
+
+    def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        ready = self._model_loaded and not self._stopping.is_set()
+        return ready, {
+            "ready": ready,
+            "model_loaded": self._model_loaded,
+            "draining": self._stopping.is_set(),
+        }
+
+    # -- output path -----------------------------------------------------------------------------------
+
+    def _hello(self, kind: str) -> list[Any]:
+        worker = self.wrapper.require_worker()
+        health = worker.check_health()
+        return protocol.encode_hello(
+            protocol.Hello(
+                kind=kind,
+                group=self.config.worker.group,
+                replica=self.replica,
+                rank=self.rank,
+                world_size=self.config.worker.world_size,
+                pod=self.config.pod_name,
+                routing_id=self.routing_id,
+                capabilities={
+                    "task": self.config.worker.task,
+                    "served_name": self.config.worker.served_name,
+                    "device": health.get("device"),
+                    "cpu": health.get("cpu"),
+                    "health_port": self.health.port,
+                    "pid": os.getpid(),
+                },
+            )
+        )
+
+    def _emit(self, frames: list[Any], force_queue: bool = False) -> None:
+        # Replies are matched by id, so the fast path may overtake a queued message without harm.
+        if not force_queue and self._outbox.empty() and self._send_lock.acquire(blocking=False):
+            try:
+                self.worker_response_mq.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            finally:
+                self._send_lock.release()
+        self._outbox.put(frames)
+
+    def _output_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_beat = time.monotonic() + interval
+        while True:
+            try:
+                frames = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                frames = self._hello("heartbeat")
+                next_beat = time.monotonic() + interval
+            else:
+                if frames is None:
+                    return
+            self._send_blocking(frames)
+
+    def _send_blocking(self, frames: list[Any]) -> None:
+        while True:
+            with self._send_lock:
+                try:
+                    self.worker_response_mq.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            if self._output_closing:
+                log.warning("driver not accepting messages while stopping; dropping one")
+                return
+            time.sleep(0.005)
+
+    # -- busy loop -------------------------------------------------------------------------------------
+
+    def worker_busy_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.rpc_broadcast_mq, zmq.POLLIN)
+        while not self._stopping.is_set():
+            self._loop_tick = time.monotonic()
+            if not poller.poll(100):
+                continue
+            frames = self.rpc_broadcast_mq.recv_multipart(copy=False)
+            try:
+                message = protocol.decode(frames)
+            except protocol.ProtocolError as exc:
+                self.metrics.rejected.inc()
+                log.warning("rejected a malformed message (%d frames): %s", len(frames), exc)
+                continue
+            if isinstance(message, protocol.Ping):
+                self._last_ping = time.monotonic()
+            elif isinstance(message, protocol.Call):
+                self._serve(message)
+            else:
+                self.metrics.rejected.inc()
+                log.warning("rejected a %s message on the request socket", type(message).__name__)
+
+    def _serve(self, call: protocol.Call) -> None:
+        replies = call.reply_rank is None or call.reply_rank == self.rank
+        if call.deadline is not None and time.time() > call.deadline:
+            error = protocol.RemoteErrorInfo(
+                "DeadlineExceeded", f"call {call.method!r} arrived after its deadline", ""
+            )
+            self._emit(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            return
+        label = call.method
+        self._in_flight = (call.method, call.deadline)
+        started = time.perf_counter()
+        try:
+            result = self.wrapper.execute_method(call.method, call.args, call.kwargs)
+        except Exception as exc:
+            if isinstance(exc, UnknownMethodError):
+                label = "<unknown>"
+            self.metrics.errors.labels(label).inc()
+            log.exception("call %r (id %d) failed", call.method, call.id)
+            error = protocol.RemoteErrorInfo(type(exc).__name__, str(exc), traceback.format_exc())
+            self._emit(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            return
+        finally:
+            self._in_flight = None
+            self.metrics.requests.labels(label).inc()
+            self.metrics.step.labels(label).observe(time.perf_counter() - started)
+        if replies:
+            try:
+                frames = protocol.encode_reply(call.id, self.replica, self.rank, result=result)
+            except TypeError as exc:
+                error = protocol.RemoteErrorInfo(
+                    "TypeError", f"result of {call.method!r} cannot be sent: {exc}", traceback.format_exc()
+                )
+                frames = protocol.encode_reply(call.id, self.replica, self.rank, error=error)
+            self._emit(frames)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def request_stop(self, *_: Any) -> None:
+        self._stopping.set()
+
+    def run(self) -> int:
+        try:
+            self.worker_busy_loop()
+        finally:
+            self.close("stopping")
+        return 0
+
+    def close(self, reason: str) -> None:
+        self._stopping.set()
+        self._emit(protocol.encode_goodbye(self.replica, self.rank, reason), force_queue=True)
+        self._output_closing = True
+        self._outbox.put(None)
+        self._output_thread.join(timeout=5)
+        self.rpc_broadcast_mq.close(linger=0)
+        self.worker_response_mq.close(linger=2000)
+        self._context.term()
+        self.health.stop()
+        self.wrapper.require_worker().shutdown()
+        log.info("worker replica %d rank %d stopped: %s", self.replica, self.rank, reason)
+
+
+def _install_signal_handlers(proc: WorkerProc) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: finishing the in-flight call, then leaving", signum)
+        proc.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("IWG_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
+    )
+    try:
+        config = WorkerProcConfig.from_env()
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    # torch.distributed reads RANK/WORLD_SIZE; derive them from the group identity when not given.
+    os.environ.setdefault(wiring.TORCH_RANK, str(config.worker.rank))
+    os.environ.setdefault(wiring.TORCH_WORLD_SIZE, str(config.worker.world_size))
+    stop_early = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_early.set())
+    try:
+        proc = WorkerProc(config)
+    except Exception:
+        log.exception("worker failed to start")
+        return 1
+    _install_signal_handlers(proc)
+    if stop_early.is_set():
+        proc.request_stop()
+    return proc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
