@@ -11,7 +11,6 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from iwg_worker import protocol
 
 

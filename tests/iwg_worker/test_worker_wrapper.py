@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from iwg_worker.method_registry import UnknownMethodError
 from iwg_worker.torch_worker import TorchWorker
 from iwg_worker.worker_base import WorkerConfig
