@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,14 @@ def test_restricted_namespace_rejects_privileged_pod(
     core.patch_namespace(
         namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
     )
+    # PodSecurity reads namespaces from an informer cache: wait until it has seen the label.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            core.create_namespaced_pod(namespace, _privileged_pod("probe"), dry_run="All")
+        except ApiException:
+            break
+        time.sleep(0.1)
     with pytest.raises(ApiException) as rejected:
         core.create_namespaced_pod(namespace, _privileged_pod("refused"))
 
