@@ -36,6 +36,11 @@ def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(dict(body))
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return runtime.login()
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     runtime.configure_kopf(settings)

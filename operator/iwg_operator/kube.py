@@ -99,39 +99,66 @@ class RequestCounter:
 
 
 @dataclass(frozen=True)
-class Connection:
+class Credentials:
+    """Where the API server is and how to authenticate; shared by Kopf's watches and this client."""
+
     server: str
-    ssl_context: ssl.SSLContext | bool
-    token: str | None
+    ca_file: str | None
+    verify: bool
+    token: str | None  # without the "Bearer " scheme
+    cert_file: str | None
+    key_file: str | None
 
     @classmethod
-    def from_environment(cls) -> Connection:
+    def from_environment(cls) -> Credentials:
         """In-cluster service account when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube)."""
+        import os
+
         from kubernetes import client, config
 
         configuration = client.Configuration()
         try:
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            # KUBECONFIG read now, not when the kubernetes package was imported.
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
         token = configuration.get_api_key_with_prefix(
             "authorization"
         ) or configuration.get_api_key_with_prefix("BearerToken")
-        context: ssl.SSLContext | bool
-        if configuration.verify_ssl:
-            context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
-        else:
-            context = False
-        if configuration.cert_file and isinstance(context, ssl.SSLContext):
-            context.load_cert_chain(configuration.cert_file, configuration.key_file)
-        elif configuration.cert_file:
-            context = ssl.create_default_context()
+        if token and token.lower().startswith("bearer "):
+            token = token[len("bearer ") :]
+        return cls(
+            server=str(configuration.host).rstrip("/"),
+            ca_file=configuration.ssl_ca_cert,
+            verify=bool(configuration.verify_ssl),
+            token=token or None,
+            cert_file=configuration.cert_file,
+            key_file=configuration.key_file,
+        )
+
+
+@dataclass(frozen=True)
+class Connection:
+    server: str
+    ssl_context: ssl.SSLContext | bool
+    token: str | None  # the Authorization header's value
+
+    @classmethod
+    def from_credentials(cls, credentials: Credentials) -> Connection:
+        context = ssl.create_default_context(cafile=credentials.ca_file)
+        if not credentials.verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-            context.load_cert_chain(configuration.cert_file, configuration.key_file)
-        if token and not token.lower().startswith("bearer "):
-            token = f"Bearer {token}"
-        return cls(server=str(configuration.host).rstrip("/"), ssl_context=context, token=token)
+        if credentials.cert_file:
+            context.load_cert_chain(credentials.cert_file, credentials.key_file)
+        token = f"Bearer {credentials.token}" if credentials.token else None
+        return cls(server=credentials.server, ssl_context=context, token=token)
+
+    @classmethod
+    def from_environment(cls) -> Connection:
+        return cls.from_credentials(Credentials.from_environment())
 
 
 class KubeApi:

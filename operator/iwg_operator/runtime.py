@@ -9,7 +9,7 @@ import kopf
 
 from iwg_operator import builders, labels
 from iwg_operator.controller import Controller
-from iwg_operator.kube import Connection, KubeApi
+from iwg_operator.kube import Connection, Credentials, KubeApi
 
 # Environment of the operator's own pod (the Helm chart sets them).
 ENV_CLUSTER_DOMAIN = "IWG_CLUSTER_DOMAIN"
@@ -47,3 +47,17 @@ def build_settings() -> builders.BuildSettings:
 
 def build_controller() -> Controller:
     return Controller(KubeApi(Connection.from_environment()), build_settings())
+
+
+def login() -> kopf.ConnectionInfo:
+    """Kopf's credentials: the same source as the operator's own client (in-cluster or KUBECONFIG)."""
+    credentials = Credentials.from_environment()
+    return kopf.ConnectionInfo(
+        server=credentials.server,
+        ca_path=credentials.ca_file,
+        insecure=not credentials.verify,
+        scheme="Bearer" if credentials.token else None,
+        token=credentials.token,
+        certificate_path=credentials.cert_file,
+        private_key_path=credentials.key_file,
+    )

@@ -1,0 +1,122 @@
+"""Fixtures for the operator's control-plane tests: the CRD installed, the operator running (KopfRunner)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from iwg_operator import crdgen
+from iwg_operator.api import v1alpha1 as api
+from kopf.testing import KopfRunner
+from kubernetes import client
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+class Groups:
+    """InferenceWorkerGroups and their pods in one namespace, through the real API server."""
+
+    def __init__(self, k8s: ApiClient, namespace: str) -> None:
+        self.namespace = namespace
+        self.custom = client.CustomObjectsApi(k8s)
+        self.core = client.CoreV1Api(k8s)
+
+    def manifest(self, name: str, **spec: Any) -> dict[str, Any]:
+        return {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "metadata": {"name": name, "namespace": self.namespace},
+            "spec": {"model": {"task": "embed", "path": "/models/m"}, **spec},
+        }
+
+    def create(self, name: str, **spec: Any) -> dict[str, Any]:
+        body: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            api.GROUP, api.VERSION, self.namespace, api.PLURAL, self.manifest(name, **spec)
+        )
+        return body
+
+    def get(self, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = self.custom.get_namespaced_custom_object(
+            api.GROUP, api.VERSION, self.namespace, api.PLURAL, name
+        )
+        return body
+
+    def patch(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, self.namespace, api.PLURAL, name, {"spec": spec}
+        )
+
+    def delete(self, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                api.GROUP, api.VERSION, self.namespace, api.PLURAL, name, propagation_policy="Background"
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def pods(self, name: str) -> list[Any]:
+        selector = f"inference.iwg.dev/group={name},app.kubernetes.io/component=worker"
+        return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
+
+    def live_pods(self, name: str) -> list[Any]:
+        return [p for p in self.pods(name) if p.metadata.deletion_timestamp is None]
+
+    def condition(self, name: str, kind: str) -> dict[str, Any] | None:
+        for item in (self.get(name).get("status") or {}).get("conditions") or []:
+            if item["type"] == kind:
+                return dict(item)
+        return None
+
+    def events(self, name: str) -> list[Any]:
+        selector = f"involvedObject.name={name},involvedObject.kind={api.KIND}"
+        return list(self.core.list_namespaced_event(self.namespace, field_selector=selector).items)
+
+
+@pytest.fixture(scope="session")
+def iwg_crd(control_plane: Any) -> dict[str, Any]:
+    """The generated CRD, installed and Established."""
+    manifest = yaml.safe_load(crdgen.render_crd())
+    control_plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(manifest))
+    control_plane.kubectl(
+        "wait", "--for=condition=Established", f"crd/{manifest['metadata']['name']}", "--timeout=60s"
+    )
+    return manifest
+
+
+@pytest.fixture
+def groups(k8s: ApiClient, namespace: str) -> Groups:
+    return Groups(k8s, namespace)
+
+
+@pytest.fixture
+def operator(
+    iwg_crd: dict[str, Any], control_plane: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[KopfRunner]:
+    """The real operator (Kopf in a thread) handling the test's namespace."""
+    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "iwg_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        time.sleep(1.0)  # Kopf lists and starts watching
+        yield runner
+    assert runner.exception is None, runner.output[-4000:]
+    assert runner.exit_code == 0, runner.output[-4000:]
+    assert "Traceback" not in runner.output, runner.output[-4000:]

@@ -1,0 +1,234 @@
+"""The operator against the real control plane: scheduling, scale, rollout, status, GC, Pod Security."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from iwg_operator import labels, metrics
+from iwg_operator.api import wiring
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.iwg_operator.conftest import Groups, eventually
+
+pytestmark = pytest.mark.cluster
+
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+
+
+def ready_replicas(groups: Groups, name: str, expected: int) -> bool:
+    status = groups.get(name).get("status") or {}
+    return status.get("readyReplicas") == expected and status.get("phase") == "Running"
+
+
+def env_of(pod: Any) -> dict[str, str]:
+    return {e.name: e.value for e in pod.spec.containers[0].env if e.value is not None}
+
+
+def test_group_becomes_colocated_gpu_pods_with_wiring_and_is_garbage_collected(
+    scheduler: Any, controller_manager: Any, gpu_nodes: list[str], groups: Groups, operator: Any, k8s: Any
+) -> None:
+    groups.create(
+        "tp",
+        replicas=2,
+        worldSize=2,
+        worker={"gpus": 2},
+        scheduling={"colocateRanks": True, "gpuProduct": GPU_PRODUCT},
+    )
+
+    def bound() -> list[Any] | None:
+        pods = groups.pods("tp")
+        return pods if len(pods) == 4 and all(p.spec.node_name for p in pods) else None
+
+    pods = eventually(bound, what="4 bound pods")
+    nodes_by_replica: dict[str, set[str]] = defaultdict(set)
+    for pod in pods:
+        assert pod.spec.node_name in gpu_nodes
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+        nodes_by_replica[pod.metadata.labels[labels.REPLICA]].add(pod.spec.node_name)
+        env = env_of(pod)
+        replica = pod.metadata.labels[labels.REPLICA]
+        assert env[wiring.MASTER_ADDR] == f"tp-r{replica}-w0.tp-workers.{groups.namespace}.svc.cluster.local"
+        assert env[wiring.RANK] == pod.metadata.labels[labels.RANK]
+    assert {k: len(v) for k, v in nodes_by_replica.items()} == {"0": 1, "1": 1}, nodes_by_replica
+
+    eventually(lambda: ready_replicas(groups, "tp", 2), what="Running with 2 ready replicas")
+    status = groups.get("tp")["status"]
+    assert status["selector"] == "app.kubernetes.io/component=worker,inference.iwg.dev/group=tp"
+    assert [r["index"] for r in status["replicaStatuses"]] == [0, 1]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (
+        ready["status"] == "True"
+        and ready["observedGeneration"] == groups.get("tp")["metadata"]["generation"]
+    )
+    assert any(e.reason == "CreatedPods" for e in groups.events("tp"))
+
+    core = client.CoreV1Api(k8s)
+    ns = groups.namespace
+    owned = {
+        "service/tp-driver": lambda: core.read_namespaced_service("tp-driver", ns),
+        "service/tp-workers": lambda: core.read_namespaced_service("tp-workers", ns),
+        "secret/tp-curve": lambda: core.read_namespaced_secret("tp-curve", ns),
+        "configmap/tp-config": lambda: core.read_namespaced_config_map("tp-config", ns),
+        "deployment/tp-driver": lambda: client.AppsV1Api(k8s).read_namespaced_deployment("tp-driver", ns),
+        "networkpolicy/tp-workers": lambda: client.NetworkingV1Api(k8s).read_namespaced_network_policy(
+            "tp-workers", ns
+        ),
+        "pdb/tp-workers": lambda: client.PolicyV1Api(k8s).read_namespaced_pod_disruption_budget(
+            "tp-workers", ns
+        ),
+    }
+    for what, read in owned.items():
+        assert read().metadata.owner_references[0].name == "tp", what
+
+    groups.delete("tp")
+
+    def gone(read: Any) -> bool:
+        try:
+            read()
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    # The garbage collector learns about a new CRD at its next discovery resync (every 30 s).
+    eventually(lambda: not groups.pods("tp"), timeout=90, what="pods garbage-collected")
+    for what, read in owned.items():
+        eventually(lambda read=read: gone(read), timeout=90, what=f"{what} garbage-collected")
+
+
+def test_more_gpus_than_exist_reports_unschedulable(
+    scheduler: Any, gpu_nodes: list[str], groups: Groups, operator: Any
+) -> None:
+    groups.create("huge", replicas=1, worldSize=2, worker={"gpus": 8}, scheduling={"colocateRanks": True})
+    condition = eventually(
+        lambda: (c := groups.condition("huge", "Unschedulable")) and c["status"] == "True" and c,
+        what="Unschedulable condition",
+    )
+    assert "nvidia.com/gpu" in condition["message"] or "affinity" in condition["message"]
+    assert groups.get("huge")["status"]["phase"] == "Pending"
+    assert any(e.reason == "Unschedulable" and e.type == "Warning" for e in groups.events("huge"))
+    groups.delete("huge")
+
+
+def test_kubectl_scale_and_columns(
+    scheduler: Any, gpu_nodes: list[str], control_plane: Any, groups: Groups, operator: Any
+) -> None:
+    ns = groups.namespace
+    groups.create("sc", replicas=1, worker={"gpus": 1})
+    eventually(lambda: ready_replicas(groups, "sc", 1), what="1 ready replica")
+    first = {p.metadata.name: p.metadata.uid for p in groups.pods("sc")}
+
+    control_plane.kubectl("scale", "-n", ns, "iwg/sc", "--replicas=3")
+    eventually(lambda: ready_replicas(groups, "sc", 3), what="3 ready replicas")
+    assert sorted(p.metadata.name for p in groups.live_pods("sc")) == ["sc-r0-w0", "sc-r1-w0", "sc-r2-w0"]
+
+    table = control_plane.kubectl("get", "iwg", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "REPLICAS", "READY", "WORLD", "PHASE", "AGE"]
+    assert table[1].split()[:5] == ["sc", "3", "3", "1", "Running"]
+    scale = control_plane.kubectl("get", "--raw", f"/apis/inference.iwg.dev/v1alpha1/namespaces/{ns}/"
+                                  "inferenceworkergroups/sc/scale").stdout  # fmt: skip
+    assert '"replicas":3' in scale and "inference.iwg.dev/group=sc" in scale
+
+    control_plane.kubectl("scale", "-n", ns, "iwg/sc", "--replicas=1")
+    eventually(lambda: [p.metadata.name for p in groups.live_pods("sc")] == ["sc-r0-w0"], what="scaled to 1")
+    assert groups.live_pods("sc")[0].metadata.uid == first["sc-r0-w0"], "the lowest replica is kept"
+    eventually(lambda: ready_replicas(groups, "sc", 1), what="status shows 1 replica")
+    groups.delete("sc")
+
+
+def test_image_change_rolls_replica_by_replica_and_world_size_change_replaces(
+    scheduler: Any, gpu_nodes: list[str], groups: Groups, operator: Any
+) -> None:
+    groups.create("roll", replicas=3, worker={"gpus": 0, "image": "worker:1"}, scheduling={
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})  # fmt: skip
+    eventually(lambda: ready_replicas(groups, "roll", 3), what="3 ready replicas")
+    before = {p.metadata.name: p.metadata.uid for p in groups.pods("roll")}
+
+    groups.patch("roll", {"worker": {"image": "worker:2"}})
+    lowest_ready = 3
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pods = groups.live_pods("roll")
+        status = groups.get("roll").get("status") or {}
+        lowest_ready = min(lowest_ready, sum(1 for p in pods if _ready(p)))
+        if all(p.spec.containers[0].image == "worker:2" for p in pods) and ready_replicas(groups, "roll", 3):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"rollout did not finish: {status}")
+    assert lowest_ready >= 2, "maxUnavailable=1: never fewer than 2 of 3 replicas ready"
+    after = {p.metadata.name: p.metadata.uid for p in groups.live_pods("roll")}
+    assert after.keys() == before.keys() and all(after[n] != before[n] for n in after)
+    assert sum(1 for e in groups.events("roll") if e.reason == "ReplacingReplicas") >= 1
+
+    groups.patch("roll", {"worldSize": 2, "replicas": 2})
+    eventually(
+        lambda: (
+            sorted(p.metadata.name for p in groups.live_pods("roll"))
+            == ["roll-r0-w0", "roll-r0-w1", "roll-r1-w0", "roll-r1-w1"]
+            and ready_replicas(groups, "roll", 2)
+        ),
+        what="world size 2",
+    )
+    pods = groups.live_pods("roll")
+    assert all(p.metadata.uid not in after.values() for p in pods), "world size change replaces every pod"
+    assert {env_of(p)[wiring.WORLD_SIZE] for p in pods} == {"2"}
+    groups.delete("roll")
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def test_quiet_group_causes_no_writes(
+    scheduler: Any, gpu_nodes: list[str], groups: Groups, operator: Any
+) -> None:
+    groups.create("quiet", replicas=2, worker={"gpus": 1})
+    eventually(lambda: ready_replicas(groups, "quiet", 2), what="settled")
+    time.sleep(2)
+
+    def writes() -> float:
+        total = 0.0
+        for family in metrics.API_REQUESTS.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels["verb"] in (
+                    "create",
+                    "apply",
+                    "patch",
+                    "delete",
+                ):
+                    total += sample.value
+        return total
+
+    before = writes()
+    time.sleep(10)
+    assert writes() == before, "a settled group must not cause API writes"
+    groups.delete("quiet")
+
+
+def test_pods_are_admitted_under_restricted_pod_security(
+    scheduler: Any, controller_manager: Any, gpu_nodes: list[str], k8s: Any, groups: Groups, operator: Any
+) -> None:
+    core = client.CoreV1Api(k8s)
+    core.patch_namespace(
+        groups.namespace,
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                 "pod-security.kubernetes.io/enforce-version": "latest"}}},
+    )  # fmt: skip
+    groups.create("secure", replicas=2, worldSize=2, worker={"gpus": 1, "shmSize": "2Gi"})
+    eventually(lambda: len(groups.pods("secure")) == 4, what="4 worker pods admitted")
+    # The driver's pod comes from its Deployment (ReplicaSet controller): admitted under the same policy.
+    eventually(
+        lambda: (
+            core.list_namespaced_pod(
+                groups.namespace, label_selector="app.kubernetes.io/component=driver"
+            ).items
+        ),
+        what="driver pod admitted",
+    )
+    failed = groups.condition("secure", "ReconcileFailed")
+    assert failed is None or failed["status"] == "False"
+    groups.delete("secure")
