@@ -23,6 +23,7 @@ import zmq
 from iwg_operator import builders, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
+from iwg_operator.health.policy import avoid_nodes
 from iwg_operator.kube import (
     CONFIG_MAPS,
     DEPLOYMENTS,
@@ -100,6 +101,8 @@ class Controller:
         self.settings = settings or builders.BuildSettings()
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
+        # Nodes where a worker of the group reported a device fault: new pods are kept off them (health prober).
+        self.avoided_nodes: dict[GroupKey, set[str]] = {}
 
     # ------------------------------------------------------------------ fed by the handlers
 
@@ -144,6 +147,10 @@ class Controller:
         )
         await self._write_status(state, desired)
         await self._event(state, "Warning", "SpecInvalid", message)
+
+    def observed(self, key: GroupKey) -> list[planning.ObservedPod]:
+        """The group's worker pods as the index shows them (for the health prober)."""
+        return list(self._pods(key))
 
     def pods_changed(self, key: GroupKey) -> None:
         state = self.groups.get(key)
@@ -308,7 +315,11 @@ class Controller:
         wave = 1
         while todo:
             batch, todo = todo[:wave], todo[wave:]
-            manifests = [builders.worker_pod(group, replica, rank, self.settings) for replica, rank in batch]
+            avoided = self.avoided_nodes.get(state.key, set())
+            manifests = [
+                avoid_nodes(builders.worker_pod(group, replica, rank, self.settings), avoided)
+                for replica, rank in batch
+            ]
             results = await gather_limited(
                 WRITE_CONCURRENCY, *(self.kube.create(PODS, group.namespace, m) for m in manifests)
             )
@@ -406,6 +417,12 @@ class Controller:
             await self._event(state, "Warning", "Unschedulable", f"{stuck[0].name}: {stuck[0].unschedulable}")
         else:
             state.posted.pop("Unschedulable", None)
+
+    async def post_event(
+        self, state: GroupState, kind: str, reason: str, message: str, once: bool = True
+    ) -> None:
+        """An Event on the group, for the supervisor (health prober, autoscaler)."""
+        await self._event(state, kind, reason, message, once)
 
     async def _event(
         self, state: GroupState, kind: str, reason: str, message: str, once: bool = True

@@ -15,6 +15,7 @@ from iwg_operator import labels, runtime
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import Controller, GroupKey, group_from_body
 from iwg_operator.planning import ObservedPod, observe_pod
+from iwg_operator.supervisor import Supervisor
 
 GROUP_RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
@@ -23,6 +24,11 @@ WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPO
 def _controller(memo: kopf.Memo) -> Controller:
     controller: Controller = memo["controller"]
     return controller
+
+
+def _supervisor(memo: kopf.Memo) -> Supervisor:
+    supervisor: Supervisor = memo["supervisor"]
+    return supervisor
 
 
 def _bind(controller: Controller, worker_pods: kopf.Index[GroupKey, ObservedPod]) -> None:
@@ -45,10 +51,12 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     runtime.configure_kopf(settings)
     memo["controller"] = runtime.build_controller()
+    memo["supervisor"] = Supervisor(memo["controller"])
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await _supervisor(memo).close()
     await _controller(memo).close()
 
 
@@ -80,6 +88,8 @@ async def worker_pod_event(
 @kopf.on.event(*GROUP_RESOURCE)
 async def group_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _controller(memo).observe_group(type, _plain(body))
+    if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+        _supervisor(memo).forget(_group_key(body))
 
 
 @kopf.on.resume(*GROUP_RESOURCE)
@@ -96,3 +106,9 @@ async def group_spec(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
         await controller.reject(plain, message)
         raise kopf.PermanentError(message) from None
     controller.accept(plain, group)
+    _supervisor(memo).watch((group.namespace, group.name))
+
+
+def _group_key(body: kopf.Body) -> GroupKey:
+    metadata = body.get("metadata", {})
+    return str(metadata.get("namespace")), str(metadata.get("name"))

@@ -59,7 +59,7 @@ GROUPS = Resource(api.GROUP, api.VERSION, api.PLURAL, api.KIND)
 # Every resource the reconciler touches, with its verbs: the Helm chart's RBAC is built from this list
 # (plus Kopf's own needs: watch/list/patch on groups, watch/list on pods, create events, list CRDs).
 RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
-    PODS: ("create", "delete"),
+    PODS: ("create", "delete", "list"),  # list: the autoscaler finds the driver pod
     SERVICES: ("get", "create", "patch"),
     CONFIG_MAPS: ("get", "create", "patch"),
     SECRETS: ("get", "create"),
@@ -67,7 +67,7 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     DEPLOYMENTS: ("get", "create", "patch"),
     NETWORK_POLICIES: ("get", "create", "patch"),
     POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
-    GROUPS: ("patch",),  # the status subresource only
+    GROUPS: ("patch",),  # the status subresource, and spec.replicas by the autoscaler
 }
 
 
@@ -248,8 +248,39 @@ class KubeApi:
             content_type="application/merge-patch+json",
         )
 
-    async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
-        """Delete (background propagation); False when it was already gone or replaced (uid changed)."""
+    async def list(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The objects matching a label selector (the autoscaler finds the driver pod with it)."""
+        result = await self._request(
+            "list", "GET", resource, resource.path(namespace), params={"labelSelector": label_selector}
+        )
+        items: list[dict[str, Any]] = result.get("items") or []
+        return items
+
+    async def patch(
+        self, resource: Resource, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A JSON merge patch (the autoscaler sets spec.replicas with it)."""
+        return await self._request(
+            "patch",
+            "PATCH",
+            resource,
+            resource.path(namespace, name),
+            body,
+            content_type="application/merge-patch+json",
+        )
+
+    async def delete(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        uid: str | None = None,
+        grace_seconds: int | None = None,
+    ) -> bool:
+        """Delete (background propagation); False when it was already gone or replaced (uid changed).
+
+        `grace_seconds=0` kills at once: the health prober replaces hung workers that could not drain anyway.
+        """
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "DeleteOptions",
@@ -257,6 +288,8 @@ class KubeApi:
         }
         if uid:
             body["preconditions"] = {"uid": uid}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
         try:
             await self._request("delete", "DELETE", resource, resource.path(namespace, name), body)
         except ApiError as error:

@@ -34,6 +34,8 @@ class ObservedPod:
     terminating: bool = False
     unschedulable: str | None = None  # the scheduler's message, when it could not place the pod
     uid: str = ""
+    ip: str | None = None  # for the health prober
+    restarts: int = 0  # container restarts the kubelet made (the health prober counts a restart as a failure)
 
 
 def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
@@ -65,6 +67,8 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         terminating=metadata.get("deletionTimestamp") is not None,
         unschedulable=unschedulable,
         uid=str(metadata.get("uid") or ""),
+        ip=status.get("podIP") or None,
+        restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
     )
 
 

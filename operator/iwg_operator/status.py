@@ -150,6 +150,9 @@ def group_status(
         )
     if SPEC_INVALID in before:
         conditions.append(condition(SPEC_INVALID, False, "Valid", "spec is valid", generation, before, now))
+    # Conditions written by others (the health prober, the autoscaler) are kept as they are.
+    owned = {c["type"] for c in conditions} | {SPEC_INVALID, RECONCILE_FAILED}
+    conditions.extend(dict(c) for kind, c in before.items() if kind not in owned)
 
     return {
         "phase": phase,

@@ -1,0 +1,1 @@
+"""Autoscaling replicas from the driver's metrics (HPA formula, tolerance, stabilization windows)."""

@@ -1,0 +1,127 @@
+"""Pure autoscaling decisions: the HPA formula with a tolerance, stabilization windows, bounds, and reading
+the driver's Prometheus text into the metric the spec names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from iwg_operator.api.v1alpha1 import AutoscalingSpec
+
+QUEUE_DEPTH = "iwg_queue_depth"
+INFLIGHT = "iwg_inflight_requests"
+LATENCY_BUCKET = "iwg_request_latency_seconds_bucket"
+
+
+class MetricsError(ValueError):
+    """The driver's metrics do not hold what the autoscaler needs."""
+
+
+@dataclass(frozen=True)
+class DriverSample:
+    """One scrape of the driver: totals over the group, plus the cumulative latency histogram."""
+
+    at: float
+    queue_depth: float
+    inflight: float
+    latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound s, cumulative count), summed
+
+
+def parse_driver_metrics(text: str, at: float) -> DriverSample:
+    queue: float | None = None
+    inflight: float | None = None
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_and_labels, _, value_text = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0]
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        if name == QUEUE_DEPTH:
+            queue = value
+        elif name == INFLIGHT:
+            inflight = value
+        elif name == LATENCY_BUCKET and 'le="' in name_and_labels:
+            bound_text = name_and_labels.split('le="', 1)[1].split('"', 1)[0]
+            bound = math.inf if bound_text == "+Inf" else float(bound_text)
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    if queue is None or inflight is None:
+        missing = [n for n, v in ((QUEUE_DEPTH, queue), (INFLIGHT, inflight)) if v is None]
+        raise MetricsError(f"driver metrics lack {', '.join(missing)}")
+    return DriverSample(at, queue, inflight, tuple(sorted(buckets.items())))
+
+
+def latency_p95_ms(previous: DriverSample, current: DriverSample) -> float:
+    """95th percentile of the requests answered between two scrapes (bucket upper bound), 0 with none."""
+    before = dict(previous.latency_buckets)
+    deltas = [(bound, count - before.get(bound, 0.0)) for bound, count in current.latency_buckets]
+    total = deltas[-1][1] if deltas else 0.0
+    if total <= 0:
+        return 0.0
+    for bound, count in deltas:
+        if count >= 0.95 * total:
+            finite = (
+                bound if math.isfinite(bound) else max((b for b, _ in deltas if math.isfinite(b)), default=0)
+            )
+            return finite * 1000.0
+    return 0.0
+
+
+def metric_value(
+    spec: AutoscalingSpec, replicas: int, current: DriverSample, previous: DriverSample | None
+) -> float | None:
+    """The spec's metric, per replica for the load metrics (as the HPA's averageValue); None when unknown."""
+    if spec.metric == "queueDepth":
+        return current.queue_depth / max(replicas, 1)
+    if spec.metric == "inflight":
+        return current.inflight / max(replicas, 1)
+    if previous is None:
+        return None
+    return latency_p95_ms(previous, current)
+
+
+def recommend(current_replicas: int, value: float, spec: AutoscalingSpec) -> int:
+    """desired = ceil(replicas x value / target), unchanged within the tolerance, within [min, max]."""
+    ratio = value / spec.target
+    replicas = max(current_replicas, 1)
+    desired = current_replicas if abs(ratio - 1.0) <= spec.tolerance else math.ceil(replicas * ratio)
+    return max(spec.min_replicas, min(spec.max_replicas, desired))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    at: float
+    replicas: int
+
+
+def stabilize(
+    current_replicas: int, history: Sequence[Recommendation], now: float, spec: AutoscalingSpec
+) -> int:
+    """The HPA's stabilization: scale up to the lowest recommendation of the up-window, down to the highest
+    of the down-window, so a brief spike or dip changes nothing and the count never flaps.
+    """
+    up_window = [r.replicas for r in history if now - r.at <= spec.scale_up_stabilization_seconds]
+    down_window = [r.replicas for r in history if now - r.at <= spec.scale_down_stabilization_seconds]
+    if not up_window or not down_window:
+        return current_replicas
+    scale_up_to = min(up_window)
+    if scale_up_to > current_replicas:
+        return scale_up_to
+    scale_down_to = max(down_window)
+    if scale_down_to < current_replicas:
+        return scale_down_to
+    return current_replicas
+
+
+def prune(history: Iterable[Recommendation], now: float, spec: AutoscalingSpec) -> list[Recommendation]:
+    keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+    return [r for r in history if now - r.at <= keep]
+
+
+def is_stale(sample: DriverSample | None, now: float, max_age: float) -> bool:
+    return sample is None or now - sample.at > max_age

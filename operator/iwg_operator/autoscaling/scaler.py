@@ -1,0 +1,91 @@
+"""The autoscaler of one group: scrapes the driver's /metrics, recommends with the HPA formula, stabilizes,
+and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in the driver first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from iwg_operator.api.v1alpha1 import AutoscalingSpec
+from iwg_operator.autoscaling.policy import (
+    DriverSample,
+    MetricsError,
+    Recommendation,
+    metric_value,
+    parse_driver_metrics,
+    prune,
+    recommend,
+    stabilize,
+)
+
+log = logging.getLogger("iwg_operator.autoscaling")
+
+SCRAPE_TIMEOUT_S = 3.0
+DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """`replicas` is None while holding; `reason` says why (for the condition), `value` what was measured."""
+
+    replicas: int | None
+    reason: str
+    message: str
+    value: float | None = None
+
+
+@dataclass
+class GroupScaler:
+    history: list[Recommendation] = field(default_factory=list)
+    previous: DriverSample | None = None
+
+    async def scrape(self, http: aiohttp.ClientSession, url: str) -> DriverSample:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
+            if response.status != 200:
+                raise MetricsError(f"driver metrics answered HTTP {response.status}")
+            return parse_driver_metrics(await response.text(), time.monotonic())
+
+    def decide(
+        self, sample: DriverSample | None, error: str | None, current: int, spec: AutoscalingSpec
+    ) -> ScaleDecision:
+        """Pure but for the memory of recommendations: hold on missing metrics, else recommend and stabilize."""
+        if sample is None:
+            self.previous = None
+            return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {error}")
+        value = metric_value(spec, current, sample, self.previous)
+        self.previous = sample
+        if value is None:
+            return ScaleDecision(
+                None, "MetricsUnavailable", f"holding at {current}: first sample of {spec.metric}"
+            )
+        now = sample.at
+        self.history = prune(self.history, now, spec)
+        self.history.append(Recommendation(now, recommend(current, value, spec)))
+        desired = stabilize(current, self.history, now, spec)
+        message = f"{spec.metric} {value:.2f} per replica (target {spec.target:g}) -> {desired} replicas"
+        return ScaleDecision(desired, "ScalingActive", message, value)
+
+
+async def drain_replicas(
+    http: aiohttp.ClientSession, base_url: str, token: str, replicas: range
+) -> list[int]:
+    """Drains each replica in the driver (no new batches, in-flight ones finish); returns the drained ones."""
+    drained = []
+    for replica in replicas:
+        url = f"{base_url}/admin/replicas/{replica}/drain?timeout={DRAIN_TIMEOUT_S:g}"
+        async with http.post(
+            url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=DRAIN_TIMEOUT_S + 10),
+        ) as response:
+            if response.status == 404:  # the driver never saw this replica: nothing to drain
+                drained.append(replica)
+                continue
+            if response.status != 200:
+                raise MetricsError(f"drain of replica {replica} answered HTTP {response.status}")
+            drained.append(replica)
+    return drained

@@ -1,0 +1,164 @@
+"""Pure decisions of the health prober: what a probe answer means, when a worker counts as failed, which pods
+go with it, and whether the restart budget and its backoff allow replacing them now.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from iwg_operator.api.v1alpha1 import HealthSpec
+from iwg_operator.planning import ObservedPod
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    healthy: bool
+    reason: str = ""
+    device_fault: bool = False
+
+
+HEALTHY = ProbeOutcome(True)
+
+
+def judge_health_response(
+    status: int | None, report: Mapping[str, Any] | None, error: str | None
+) -> ProbeOutcome:
+    """A worker's /healthz answer (deep: busy loop alive, device available, model state) as an outcome.
+
+    No answer within the timeout (a hung or stopped process) and connection errors are failures; a report
+    whose worker says its device is unavailable is a device fault, which moves the replacement elsewhere.
+    """
+    if error is not None:
+        return ProbeOutcome(False, error)
+    worker = (report or {}).get("worker")
+    if isinstance(worker, Mapping) and worker.get("device_available") is False:
+        note = worker.get("device_note") or worker.get("device") or "device unavailable"
+        return ProbeOutcome(False, f"device fault: {note}", device_fault=True)
+    if status is None or not 200 <= status < 300:
+        detail = ""
+        if report and report.get("alive") is False:
+            detail = f": busy loop silent for {report.get('busy_loop_age_s')}s"
+        return ProbeOutcome(False, f"health check answered HTTP {status}{detail}")
+    return HEALTHY
+
+
+@dataclass
+class PodHealth:
+    """What the prober remembers of one pod (by uid)."""
+
+    failures: int = 0
+    restarts_seen: int | None = None
+    was_healthy: bool = False  # answered a deep check once: from then on the prober supervises it
+    rounds: int = 0
+    last_reason: str = ""
+    device_fault: bool = False
+    failed_since: float | None = None
+
+
+def observe(
+    memory: PodHealth, pod: ObservedPod, outcome: ProbeOutcome | None, threshold: int, now: float
+) -> bool:
+    """Fold one round into the pod's memory; True when the pod has failed (replace it).
+
+    A container restart (the kubelet saw the process die) fails the pod at once: the replica's in-memory
+    state, and for world size > 1 its collective communicators, are gone. Failed checks count only once the
+    worker has answered one deep check: before that it is starting (the kubelet's startup probe owns it), or
+    it cannot be reached from the operator at all, which replacing it would not mend. `outcome` is None when
+    the pod was not probed this round.
+    """
+    if memory.restarts_seen is None:
+        memory.restarts_seen = pod.restarts
+    if pod.restarts > memory.restarts_seen or pod.phase == "Failed":
+        memory.restarts_seen = pod.restarts
+        memory.failures = max(memory.failures + 1, threshold)
+        memory.last_reason = (
+            f"container restarted ({pod.restarts} restarts)" if pod.phase != "Failed" else "pod failed"
+        )
+    elif outcome is None or (not outcome.healthy and not memory.was_healthy):
+        return memory.failures >= threshold
+    elif outcome.healthy:
+        memory.was_healthy = True
+        memory.failures = 0
+        memory.failed_since = None
+        memory.device_fault = False
+        return False
+    else:
+        memory.failures += 1
+        memory.last_reason = outcome.reason
+        memory.device_fault = memory.device_fault or outcome.device_fault
+    if memory.failed_since is None:
+        memory.failed_since = now
+    return memory.failures >= threshold
+
+
+def pods_to_replace(
+    failed: ObservedPod, pods: Iterable[ObservedPod], policy: Literal["Pod", "Replica"]
+) -> list[ObservedPod]:
+    """The failed pod, or every live pod of its replica (ranks share communicators and state)."""
+    if policy == "Pod":
+        return [failed]
+    return sorted(
+        (p for p in pods if p.replica == failed.replica and not p.terminating), key=lambda p: p.rank
+    )
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    action: Literal["replace", "wait", "exhausted"]
+    wait_seconds: float = 0.0
+    message: str = ""
+
+
+def backoff_delay(restarts_of_replica: int, spec: HealthSpec) -> float:
+    """backoffSeconds before the first restart of a replica, doubling each time, at most maxBackoffSeconds."""
+    if spec.backoff_seconds == 0:
+        return 0.0
+    exponent = min(restarts_of_replica, 30)
+    return float(min(spec.backoff_seconds * math.pow(2, exponent), spec.max_backoff_seconds))
+
+
+def restart_decision(
+    group_restarts: Sequence[float],
+    replica_restarts: Sequence[float],
+    failed_since: float,
+    now: float,
+    spec: HealthSpec,
+) -> BudgetDecision:
+    """May the replica be replaced now? `*_restarts` are the times of earlier replacements."""
+    window = spec.restart_window_seconds
+    recent = [t for t in group_restarts if now - t < window]
+    if len(recent) >= spec.max_restarts:
+        return BudgetDecision(
+            "exhausted",
+            message=(
+                f"{len(recent)} replacement(s) in the last {window}s reached spec.health.maxRestarts="
+                f"{spec.max_restarts}; not replacing until the oldest leaves the window"
+            ),
+        )
+    recent_replica = [t for t in replica_restarts if now - t < window]
+    due = failed_since + backoff_delay(len(recent_replica), spec)
+    if now < due:
+        return BudgetDecision("wait", due - now, f"backoff {due - failed_since:.0f}s before replacing")
+    return BudgetDecision("replace")
+
+
+def avoid_nodes(pod: dict[str, Any], nodes: Iterable[str]) -> dict[str, Any]:
+    """The pod with a required node affinity that keeps it off `nodes` (where a device fault was seen)."""
+    excluded = sorted(set(nodes))
+    if not excluded:
+        return pod
+    spec = pod.setdefault("spec", {})
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    expression = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": excluded}
+    if not terms:
+        terms.append({"matchExpressions": [expression]})
+    else:  # terms are ORed: the exclusion must hold in each of them
+        for term in terms:
+            term.setdefault("matchExpressions", []).append(expression)
+    return pod

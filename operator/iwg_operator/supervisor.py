@@ -1,0 +1,242 @@
+"""Per-group supervision beside the reconciler: the health prober and the autoscaler, one task per group.
+
+The handlers start it for every accepted group and stop it when the group goes. It reads what the reconciler
+knows (spec, pods from the index, the latest status) and acts only through deletes of failed pods, the
+group's spec.replicas, its status counters and conditions, and Events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from iwg_operator import labels, status
+from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision, drain_replicas
+from iwg_operator.builders.common import ADMIN_TOKEN_KEY, secret_name
+from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
+from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
+from iwg_operator.kube import GROUPS, PODS, SECRETS, ApiError
+
+log = logging.getLogger("iwg_operator.supervisor")
+
+SCALING_ACTIVE = "ScalingActive"
+ENV_AUTOSCALE_INTERVAL = "IWG_AUTOSCALE_INTERVAL_S"
+DEFAULT_AUTOSCALE_INTERVAL_S = 5.0
+
+
+class Supervisor:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.autoscale_interval = float(os.environ.get(ENV_AUTOSCALE_INTERVAL, DEFAULT_AUTOSCALE_INTERVAL_S))
+        self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
+        self._http: aiohttp.ClientSession | None = None
+
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+    def watch(self, key: GroupKey) -> None:
+        task = self._tasks.get(key)
+        if task is None or task.done():
+            self._tasks[key] = asyncio.create_task(self._run(key), name=f"supervise {key[0]}/{key[1]}")
+
+    def forget(self, key: GroupKey) -> None:
+        task = self._tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._http is not None:
+            await self._http.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self, key: GroupKey) -> None:
+        state = self.controller.groups.get(key)
+        restarts = int(((state.current_status if state else {}) or {}).get("restartCount") or 0)
+        prober, scaler = GroupProber(restart_count=restarts), GroupScaler()
+        next_probe = next_scale = time.monotonic()
+        while True:
+            state = self.controller.groups.get(key)
+            if state is None:
+                return
+            now = time.monotonic()
+            try:
+                if state.group is not None and now >= next_probe:
+                    next_probe = now + state.group.spec.health.period_seconds
+                    await self._probe(state, prober)
+                if state.group is not None and now >= next_scale:
+                    next_scale = now + self.autoscale_interval
+                    if state.group.spec.autoscaling.enabled:
+                        await self._autoscale(state, scaler)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # never let one bad round end the supervision of a group
+                log.warning("supervising %s/%s: %s", *key, error)
+            await asyncio.sleep(max(0.05, min(next_probe, next_scale) - time.monotonic()))
+
+    # ------------------------------------------------------------------ health
+
+    async def _probe(self, state: GroupState, prober: GroupProber) -> None:
+        group = state.group
+        assert group is not None
+        spec = group.spec
+        pods = self.controller.observed(state.key)
+        result = await prober.round(self.http(), pods, spec.health, spec.world_size)
+        for replacement in result.replacements:
+            message = describe(replacement, spec.world_size)
+            log.info("%s/%s: %s", *state.key, message)
+            if replacement.device_fault and replacement.failed_pod.node:
+                node = replacement.failed_pod.node
+                self.controller.avoided_nodes.setdefault(state.key, set()).add(node)
+                await self.controller.post_event(
+                    state,
+                    "Warning",
+                    "DeviceFault",
+                    f"{replacement.failed_pod.name} reported a device fault on node {node}; "
+                    f"replacements avoid {node}",
+                    once=False,
+                )
+            for pod in replacement.pods:
+                await self.controller.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
+            await self.controller.post_event(state, "Warning", "WorkerUnhealthy", message, once=False)
+        if result.exhausted:
+            await self.controller.post_event(state, "Warning", "RestartBudgetExhausted", result.exhausted)
+        budget = status.condition(
+            RESTART_BUDGET_EXHAUSTED,
+            result.exhausted is not None,
+            "RestartBudgetExhausted" if result.exhausted else "WithinBudget",
+            result.exhausted or "replacements are within spec.health.maxRestarts",
+            group.generation,
+            status.previous_conditions(state.current_status),
+            now_rfc3339(),
+        )
+        counted = int((state.current_status or {}).get("restartCount") or 0)
+        fields = {"restartCount": prober.restart_count} if prober.restart_count != counted else {}
+        await self._write(state, fields, budget, write_when_absent=False)
+
+    # ------------------------------------------------------------------ autoscaling
+
+    async def _autoscale(self, state: GroupState, scaler: GroupScaler) -> None:
+        group = state.group
+        assert group is not None
+        spec = group.spec
+        current = spec.replicas
+        driver = await self._driver_address(group.namespace, group.name)
+        sample, error = None, "the driver is not ready"
+        if driver is not None:
+            try:
+                sample = await scaler.scrape(self.http(), f"http://{driver}:{spec.driver.port}/metrics")
+            except Exception as scrape_error:
+                error = f"driver metrics unavailable: {scrape_error}"
+        decision = scaler.decide(sample, error, current, spec.autoscaling)
+        if decision.replicas is not None and decision.replicas != current:
+            decision = await self._scale(state, decision, current, driver)
+        before = status.previous_conditions(state.current_status)
+        scaling = status.condition(
+            SCALING_ACTIVE,
+            decision.replicas is not None,
+            decision.reason,
+            decision.message,
+            group.generation,
+            before,
+            now_rfc3339(),
+        )
+        await self._write(state, {}, scaling)
+
+    async def _scale(
+        self, state: GroupState, decision: ScaleDecision, current: int, driver: str | None
+    ) -> ScaleDecision:
+        group = state.group
+        assert group is not None and decision.replicas is not None
+        desired = decision.replicas
+        if desired < current:
+            try:
+                token = await self._admin_token(group.namespace, group.name)
+                await drain_replicas(
+                    self.http(), f"http://{driver}:{group.spec.driver.port}", token, range(desired, current)
+                )
+            except Exception as error:
+                return ScaleDecision(None, "DrainFailed", f"holding at {current}: drain failed: {error}")
+        await self.controller.kube.patch(GROUPS, group.namespace, group.name, {"spec": {"replicas": desired}})
+        counters = {
+            "scaleCount": int((state.current_status or {}).get("scaleCount") or 0) + 1,
+            "lastScaleTime": now_rfc3339(),
+        }
+        await self._write(state, counters)
+        await self.controller.post_event(
+            state, "Normal", "Autoscaled", f"replicas {current} -> {desired}: {decision.message}", once=False
+        )
+        return decision
+
+    async def _driver_address(self, namespace: str, group: str) -> str | None:
+        selector = labels.selector_string(labels.driver_selector(group))
+        for pod in await self.controller.kube.list(PODS, namespace, selector):
+            pod_status = pod.get("status") or {}
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in pod_status.get("conditions") or []
+            )
+            if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+                return str(pod_status["podIP"])
+        return None
+
+    async def _admin_token(self, namespace: str, group: str) -> str:
+        secret = await self.controller.kube.get(SECRETS, namespace, secret_name(group))
+        data = (secret or {}).get("data") or {}
+        if ADMIN_TOKEN_KEY not in data:
+            raise ApiError(404, "NotFound", f"Secret {secret_name(group)} has no {ADMIN_TOKEN_KEY}")
+        return base64.b64decode(data[ADMIN_TOKEN_KEY]).decode()
+
+    # ------------------------------------------------------------------ status
+
+    async def _write(
+        self,
+        state: GroupState,
+        fields: Mapping[str, Any],
+        condition: dict[str, Any] | None = None,
+        write_when_absent: bool = True,
+    ) -> None:
+        """Counters and one condition of ours (the reconciler keeps conditions it does not own); nothing is
+        written when nothing changed. A False condition that was never True is left out unless asked.
+        """
+        current = state.current_status or {}
+        patch: dict[str, Any] = {k: v for k, v in fields.items() if current.get(k) != v}
+        if condition is not None:
+            existing = list(current.get("conditions") or [])
+            old = next((c for c in existing if c.get("type") == condition["type"]), None)
+            wanted = old is not None or write_when_absent or condition["status"] == "True"
+            if wanted and (old is None or _differs(old, condition)):
+                patch["conditions"] = [c for c in existing if c.get("type") != condition["type"]] + [
+                    condition
+                ]
+        if not patch:
+            return
+        namespace, name = state.key
+        try:
+            result = await self.controller.kube.patch_status(GROUPS, namespace, name, patch)
+        except ApiError as error:
+            if error.status == 404:
+                return
+            raise
+        state.body = {**state.body, "status": result.get("status", {**current, **patch})}
+
+
+def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return any(old.get(k) != new.get(k) for k in ("status", "reason", "message", "observedGeneration"))

@@ -1,0 +1,80 @@
+"""Pure decisions of the autoscaler."""
+
+from __future__ import annotations
+
+import pytest
+from iwg_operator.api.v1alpha1 import AutoscalingSpec
+from iwg_operator.autoscaling.policy import (
+    DriverSample,
+    MetricsError,
+    Recommendation,
+    latency_p95_ms,
+    metric_value,
+    parse_driver_metrics,
+    recommend,
+    stabilize,
+)
+from iwg_operator.autoscaling.scaler import GroupScaler
+
+METRICS = """# HELP iwg_queue_depth Inputs waiting
+# TYPE iwg_queue_depth gauge
+iwg_queue_depth 12.0
+iwg_inflight_requests 3.0
+iwg_request_latency_seconds_bucket{endpoint="embeddings",le="0.05"} 90.0
+iwg_request_latency_seconds_bucket{endpoint="embeddings",le="0.1"} 99.0
+iwg_request_latency_seconds_bucket{endpoint="embeddings",le="+Inf"} 100.0
+"""
+
+
+def spec(**kwargs: object) -> AutoscalingSpec:
+    base: dict[str, object] = {"enabled": True, "min_replicas": 1, "max_replicas": 4, "target": 4.0}
+    return AutoscalingSpec.model_validate({**base, **kwargs})
+
+
+def test_driver_metrics_are_parsed_and_missing_ones_named() -> None:
+    sample = parse_driver_metrics(METRICS, at=1.0)
+    assert sample.queue_depth == 12 and sample.inflight == 3
+    assert dict(sample.latency_buckets)[0.1] == 99
+    with pytest.raises(MetricsError, match="iwg_queue_depth"):
+        parse_driver_metrics("iwg_inflight_requests 1\n", at=1.0)
+
+
+def test_metric_is_per_replica_for_load_and_p95_over_the_scrape_interval() -> None:
+    sample = parse_driver_metrics(METRICS, at=2.0)
+    assert metric_value(spec(metric="queueDepth"), 3, sample, None) == 4.0
+    assert metric_value(spec(metric="inflight"), 3, sample, None) == 1.0
+    assert metric_value(spec(metric="latencyP95Ms"), 3, sample, None) is None
+    before = DriverSample(1.0, 0, 0, ((0.05, 0.0), (0.1, 0.0), (float("inf"), 0.0)))
+    assert latency_p95_ms(before, sample) == pytest.approx(100.0)
+    assert latency_p95_ms(sample, sample) == 0.0
+
+
+def test_hpa_formula_with_tolerance_and_bounds() -> None:
+    s = spec(tolerance=0.1)
+    assert recommend(2, 4.3, s) == 2  # within 10 % of target
+    assert recommend(2, 6.0, s) == 3  # ceil(2 * 1.5)
+    assert recommend(2, 100.0, s) == 4  # max
+    assert recommend(3, 0.0, s) == 1  # min
+    assert recommend(0, 8.0, s) == 2  # from zero the metric is the group total
+
+
+def test_stabilization_uses_the_window_extremes_so_a_spike_or_a_dip_changes_nothing() -> None:
+    s = spec(scale_up_stabilization_seconds=10, scale_down_stabilization_seconds=30)
+    history = [Recommendation(0, 2), Recommendation(5, 4)]
+    assert stabilize(2, history, now=5, spec=s) == 2  # the up-window still holds a 2
+    assert stabilize(2, [Recommendation(0, 4), Recommendation(5, 4)], now=5, spec=s) == 4
+    down = [Recommendation(0, 4), Recommendation(20, 1)]
+    assert stabilize(4, down, now=20, spec=s) == 4  # a 4 within the last 30 s
+    assert stabilize(4, [*down, Recommendation(31, 1)], now=31, spec=s) == 1
+
+
+def test_scaler_holds_without_metrics_and_scales_up_then_down_after_the_window() -> None:
+    s = spec(scale_down_stabilization_seconds=20)
+    scaler = GroupScaler()
+    held = scaler.decide(None, "driver metrics unavailable: refused", 2, s)
+    assert held.replicas is None and held.reason == "MetricsUnavailable" and "refused" in held.message
+    busy = DriverSample(100.0, queue_depth=40.0, inflight=8.0)
+    assert scaler.decide(busy, None, 2, s).replicas == 4
+    idle = [DriverSample(100.0 + t, 0.0, 0.0) for t in (5, 10, 15, 21)]
+    decisions = [scaler.decide(sample, None, 4, s).replicas for sample in idle]
+    assert decisions == [4, 4, 4, 1]

@@ -1,0 +1,122 @@
+"""Pure decisions of the health prober."""
+
+from __future__ import annotations
+
+import pytest
+from iwg_operator.api.v1alpha1 import HealthSpec
+from iwg_operator.health.policy import (
+    PodHealth,
+    ProbeOutcome,
+    avoid_nodes,
+    backoff_delay,
+    judge_health_response,
+    observe,
+    pods_to_replace,
+    restart_decision,
+)
+from iwg_operator.planning import ObservedPod
+
+
+def pod(
+    replica: int, rank: int, restarts: int = 0, ready: bool = True, phase: str = "Running"
+) -> ObservedPod:
+    return ObservedPod(
+        name=f"g-r{replica}-w{rank}",
+        group="g",
+        replica=replica,
+        rank=rank,
+        revision="a",
+        phase=phase,
+        ready=ready,
+        uid=f"u{replica}{rank}",
+        ip="10.0.0.1",
+        restarts=restarts,
+        node="n1",
+    )
+
+
+def test_health_answers_are_judged() -> None:
+    assert judge_health_response(200, {"alive": True, "worker": {"device_available": True}}, None).healthy
+    hung = judge_health_response(None, None, "no health answer within 3s")
+    assert not hung.healthy and "3s" in hung.reason
+    silent = judge_health_response(503, {"alive": False, "busy_loop_age_s": 12.5}, None)
+    assert not silent.healthy and "12.5" in silent.reason and not silent.device_fault
+    fault = judge_health_response(
+        503, {"alive": False, "worker": {"device_available": False, "device_note": "Xid 79"}}, None
+    )
+    assert fault.device_fault and "Xid 79" in fault.reason
+
+
+def test_failures_count_only_after_a_first_healthy_answer() -> None:
+    memory, p = PodHealth(), pod(0, 0)
+    bad = ProbeOutcome(False, "connection refused")
+    for t in range(5):
+        assert not observe(memory, p, bad, 3, now=float(t))
+    assert memory.failures == 0
+    assert not observe(memory, p, ProbeOutcome(True), 3, now=6.0)
+    assert memory.was_healthy
+
+
+def test_consecutive_failures_reach_the_threshold_and_a_success_resets() -> None:
+    memory, p = PodHealth(was_healthy=True), pod(0, 0)
+    bad = ProbeOutcome(False, "timeout")
+    assert not observe(memory, p, bad, 3, now=1.0)
+    assert not observe(memory, p, bad, 3, now=2.0)
+    assert not observe(memory, p, ProbeOutcome(True), 3, now=3.0)
+    assert memory.failures == 0 and memory.failed_since is None
+    for t in (4.0, 5.0):
+        assert not observe(memory, p, bad, 3, now=t)
+    assert observe(memory, p, bad, 3, now=6.0)
+    assert memory.failed_since == 4.0
+
+
+def test_a_container_restart_fails_the_pod_at_once_but_a_starting_pod_is_not_probed() -> None:
+    memory = PodHealth()
+    assert not observe(memory, pod(0, 0, restarts=0), None, 3, now=1.0)
+    assert observe(memory, pod(0, 0, restarts=1), None, 3, now=2.0)
+    assert "restarted" in memory.last_reason
+
+
+def test_replica_policy_takes_every_rank_of_the_replica() -> None:
+    pods = [pod(0, 0), pod(0, 1), pod(1, 0), pod(1, 1)]
+    assert [p.name for p in pods_to_replace(pods[1], pods, "Replica")] == ["g-r0-w0", "g-r0-w1"]
+    assert [p.name for p in pods_to_replace(pods[1], pods, "Pod")] == ["g-r0-w1"]
+
+
+def test_backoff_doubles_up_to_the_maximum() -> None:
+    spec = HealthSpec(backoff_seconds=2, max_backoff_seconds=10)
+    assert [backoff_delay(n, spec) for n in range(5)] == [2, 4, 8, 10, 10]
+    assert backoff_delay(3, HealthSpec(backoff_seconds=0)) == 0
+
+
+def test_restart_budget_waits_for_backoff_then_replaces_then_is_exhausted() -> None:
+    spec = HealthSpec(backoff_seconds=5, max_backoff_seconds=60, max_restarts=2, restart_window_seconds=60)
+    assert restart_decision([], [], failed_since=100, now=101, spec=spec).action == "wait"
+    assert restart_decision([], [], failed_since=100, now=105, spec=spec).action == "replace"
+    # the second restart of the same replica waits twice as long
+    assert restart_decision([105], [105], failed_since=110, now=115, spec=spec).action == "wait"
+    assert restart_decision([105], [105], failed_since=110, now=120, spec=spec).action == "replace"
+    exhausted = restart_decision([105, 120], [105, 120], failed_since=130, now=140, spec=spec)
+    assert exhausted.action == "exhausted" and "maxRestarts=2" in exhausted.message
+    # once the window has passed the budget is there again
+    assert restart_decision([105, 120], [], failed_since=170, now=181, spec=spec).action == "replace"
+
+
+@pytest.mark.parametrize(
+    "existing", [None, {"nodeSelectorTerms": [{"matchExpressions": [{"key": "a", "operator": "Exists"}]}]}]
+)
+def test_replacements_avoid_faulty_nodes(existing: dict[str, object] | None) -> None:
+    manifest: dict[str, object] = {"spec": {}}
+    if existing:
+        manifest["spec"] = {
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": existing}}
+        }
+    result = avoid_nodes(manifest, {"n2", "n1"})
+    terms = result["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]  # type: ignore[index]
+    for term in terms:
+        assert {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]} in term[
+            "matchExpressions"
+        ]
+    assert avoid_nodes({"spec": {}}, set()) == {"spec": {}}
