@@ -88,7 +88,8 @@ class TorchWorker(WorkerBase):
         if self.config.task == "embed":
             if "inputs" not in batch:
                 raise ValueError("an embed batch needs field 'inputs' (a list of strings)")
-            result: dict[str, Any] = {"embeddings": self.model.embed(batch["inputs"])}
+            embeddings, counts = self.model.embed_counted(batch["inputs"])
+            result: dict[str, Any] = {"embeddings": embeddings, "prompt_tokens": counts}
         else:
             result = self.model.generate(batch)
         self.last_step_s = time.perf_counter() - started

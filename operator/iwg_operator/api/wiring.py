@@ -57,6 +57,7 @@ WORKER_EXTENSION_CLS: Final = "IWG_WORKER_EXTENSION_CLS"
 # Driver only.
 REPLICAS: Final = "IWG_REPLICAS"
 HTTP_PORT: Final = "IWG_HTTP_PORT"
+HTTP_HOST: Final = "IWG_HTTP_HOST"  # address the driver's HTTP server binds; all interfaces when unset
 MAX_BATCH_SIZE: Final = "IWG_MAX_BATCH_SIZE"
 MAX_WAIT_MS: Final = "IWG_MAX_WAIT_MS"
 MAX_QUEUE: Final = "IWG_MAX_QUEUE"

@@ -31,19 +31,24 @@ class EmbeddingModel:
         )
         self.dimension = int(self.model.config.hidden_size)
 
-    @torch.inference_mode()
     def embed(self, texts: list[str]) -> torch.Tensor:
+        return self.embed_counted(texts)[0]
+
+    @torch.inference_mode()
+    def embed_counted(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings and each input's token count (after truncation), for the driver's usage figures."""
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise TypeError("batch field 'inputs' must be a list of strings")
         if not texts:
-            return torch.empty((0, self.dimension), dtype=torch.float32)
+            return torch.empty((0, self.dimension), dtype=torch.float32), torch.empty((0,), dtype=torch.int64)
         encoded = self.tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt"
         ).to(self.device)
         hidden = self.model(**encoded).last_hidden_state
         mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu()
+        counts = encoded["attention_mask"].sum(dim=1).to(torch.int64).cpu()
+        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu(), counts
 
 
 def _sentence_bert_max_length(root: Path) -> int | None:

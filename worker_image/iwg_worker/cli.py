@@ -1,0 +1,201 @@
+"""`iwg`: the command line. `iwg serve MANIFEST` runs an InferenceWorkerGroup on this machine.
+
+The manifest is validated by the operator's own models (`iwg_operator.api.v1alpha1.load_manifest`), so a
+manifest `iwg serve` accepts is one the API server accepts. The group runs as it would in a cluster: a
+driver (HTTP, batching, routing) and `replicas x worldSize` `iwg-worker` processes, spawned by
+`MultiprocExecutor` and reached over ZMQ ipc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from iwg_operator.api.v1alpha1 import InferenceWorkerGroup, ManifestError, load_manifest
+
+log = logging.getLogger("iwg")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iwg", description="InferenceWorkerGroup tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run a group on this machine: driver + local worker processes")
+    serve.add_argument("manifest", type=Path, help="an InferenceWorkerGroup YAML manifest")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default: 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=None, help="HTTP port (default: spec.driver.port; 0 picks one)"
+    )
+    serve.add_argument("--replicas", type=int, default=None, help="override spec.replicas")
+    serve.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file with the admin API's bearer token (default: a fresh token, printed at start)",
+    )
+    serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers")
+    serve.add_argument(
+        "--heartbeat-interval", type=float, default=None, help="seconds between heartbeats (default: 1)"
+    )
+    return parser
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        group = load_manifest(args.manifest)
+    except ManifestError as exc:
+        print(f"iwg serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        model_path = group.spec.model.resolved_path()
+    except ValueError as exc:
+        print(f"iwg serve: {exc}", file=sys.stderr)
+        return 2
+    if not model_path.is_dir():
+        print(f"iwg serve: spec.model.path: {model_path} is not a directory on this machine", file=sys.stderr)
+        return 2
+    replicas = group.spec.replicas if args.replicas is None else args.replicas
+    if replicas < 1:
+        print("iwg serve: needs at least one replica (spec.replicas or --replicas)", file=sys.stderr)
+        return 2
+    token = _admin_token(args.admin_token_file)
+    if token is None:
+        return 2
+
+    # A signal during the (long) worker start-up unwinds through MultiprocExecutor, which stops its workers.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        executor = _start_workers(group, str(model_path), replicas, args)
+    except _Stop as stop:
+        print(f"iwg serve: stopped by {stop} during start-up", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"iwg serve: the workers did not start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    try:
+        asyncio.run(_serve_http(group, executor, replicas, token, args))
+    finally:
+        executor.shutdown()
+    print("iwg serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _admin_token(path: Path | None) -> str | None:
+    from iwg_worker.driver.main import ConfigError, read_admin_token
+
+    if path is None:
+        return secrets.token_urlsafe(24)
+    try:
+        return read_admin_token(str(path))
+    except ConfigError as exc:
+        print(f"iwg serve: {exc}", file=sys.stderr)
+        return None
+
+
+def _start_workers(
+    group: InferenceWorkerGroup, model_path: str, replicas: int, args: argparse.Namespace
+) -> Any:
+    from iwg_operator.api import wiring
+
+    from iwg_worker.executor.multiproc import MultiprocExecutor
+    from iwg_worker.worker_base import WorkerConfig
+    from iwg_worker.worker_proc import DEFAULT_WORKER_CLS
+
+    spec = group.spec
+    world = spec.world_size
+    # Workers share this machine's cores: give each its share so torch threads do not fight.
+    threads = max(1, (os.cpu_count() or 1) // (replicas * world))
+    extra_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        extra_env["OMP_NUM_THREADS"] = str(threads)
+    extra_env.update({e.name: e.value for e in spec.worker.env})
+    config = WorkerConfig(
+        task=spec.model.task,
+        model_path=model_path,
+        served_name=group.served_name,
+        device=spec.worker.device,
+        dtype=spec.model.dtype,
+        group=group.name,
+    )
+    log.info(
+        "starting %d replica(s) x %d rank(s) of %r (%s) from %s",
+        replicas,
+        world,
+        group.name,
+        spec.model.task,
+        model_path,
+    )
+    return MultiprocExecutor(
+        config,
+        replicas=replicas,
+        world_size=world,
+        worker_cls=spec.worker.worker_cls or DEFAULT_WORKER_CLS,
+        worker_extension_cls=spec.worker.worker_extension_cls,
+        heartbeat_interval_s=args.heartbeat_interval or wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
+        startup_timeout_s=args.startup_timeout,
+        extra_env=extra_env,
+    )
+
+
+async def _serve_http(
+    group: InferenceWorkerGroup, executor: Any, replicas: int, token: str, args: argparse.Namespace
+) -> None:
+    from iwg_worker.driver.executor_pool import ExecutorPool
+    from iwg_worker.driver.server import run_driver
+    from iwg_worker.driver.service import Driver, DriverConfig
+
+    batching = group.spec.driver.batching
+    config = DriverConfig(
+        served_name=group.served_name,
+        task=group.spec.model.task,
+        max_batch_size=batching.max_batch_size,
+        max_wait_ms=float(batching.max_wait_ms),
+        max_queue=batching.max_queue,
+    )
+    driver = Driver(config, ExecutorPool(executor))
+    port = group.spec.driver.port if args.port is None else args.port
+
+    def listening(bound: int) -> None:
+        # One line a script can wait for; the token goes to stderr only when we made it up.
+        print(
+            f"iwg serve: {group.served_name} on http://{args.host}:{bound}/v1 ({replicas} replicas)",
+            flush=True,
+        )
+        if args.admin_token_file is None:
+            print(f"iwg serve: admin token (Authorization: Bearer): {token}", file=sys.stderr, flush=True)
+
+    await run_driver(driver, args.host, port, token, on_listening=listening)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("IWG_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The driver's HTTP front end (aiohttp): OpenAI-compatible inference, probes, metrics and the admin API.
+
+Every error leaves as an OpenAI-shaped body (`{"error": {"message", "type", "param", "code"}}`); bad input is
+always a 4xx that names the problem, never a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from iwg_worker.driver.openai_api import (
+    ApiError,
+    CompletionRequest,
+    EmbeddingRequest,
+    validation_error,
+)
+from iwg_worker.driver.service import Driver
+
+log = logging.getLogger(__name__)
+
+DRIVER_KEY = web.AppKey("driver", Driver)
+ADMIN_TOKEN_KEY = web.AppKey("admin_token", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class BatchParamsRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_batch_size: StrictInt | None = Field(default=None, ge=1, le=4096)
+    max_wait_ms: float | None = Field(default=None, ge=0.0, le=60_000.0)
+
+
+def build_app(
+    driver: Driver, admin_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
+    app[DRIVER_KEY] = driver
+    app[ADMIN_TOKEN_KEY] = admin_token or ""
+    app.router.add_post("/v1/embeddings", _embeddings)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/replicas", _admin_replicas)
+    app.router.add_post("/admin/batch-params", _admin_batch_params)
+    app.router.add_post("/admin/replicas/{replica}/drain", _admin_drain)
+    app.router.add_post("/admin/replicas/{replica}/undrain", _admin_undrain)
+    return app
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        text=json.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _model_json(model: BaseModel) -> web.Response:
+    return web.Response(text=model.model_dump_json(), content_type="application/json")
+
+
+_HTTP_ERRORS: dict[int, tuple[str, str]] = {
+    404: ("not_found_error", "Unknown path {path}."),
+    405: ("invalid_request_error", "Method {method} is not allowed on {path}."),
+    413: ("invalid_request_error", "The request body is larger than this server accepts ({limit} bytes)."),
+}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _json(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:
+        kind, template = _HTTP_ERRORS.get(exc.status, ("invalid_request_error", exc.reason))
+        message = template.format(
+            path=request.path, method=request.method, limit=request.app._client_max_size
+        )
+        return _json(ApiError(exc.status, message, type=kind).body(), status=exc.status)  # type: ignore[arg-type]
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        body = ApiError(500, "The server failed while handling this request.", type="server_error").body()
+        return _json(body, status=500)
+
+
+async def _parse(request: web.Request, model: type[M]) -> M:
+    raw = await request.read()
+    if not raw:
+        raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _timed(
+    request: web.Request, endpoint: str, call: Callable[[], Awaitable[BaseModel]]
+) -> web.Response:
+    driver = request.app[DRIVER_KEY]
+    started = time.monotonic()
+    status = 200
+    try:
+        return _model_json(await call())
+    except (ApiError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        driver.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        driver.metrics.request_latency.labels(endpoint=endpoint).observe(time.monotonic() - started)
+
+
+async def _embeddings(request: web.Request) -> web.Response:
+    driver = request.app[DRIVER_KEY]
+
+    async def call() -> BaseModel:
+        return await driver.embed(await _parse(request, EmbeddingRequest))
+
+    return await _timed(request, "embeddings", call)
+
+
+async def _completions(request: web.Request) -> web.Response:
+    driver = request.app[DRIVER_KEY]
+
+    async def call() -> BaseModel:
+        return await driver.complete(await _parse(request, CompletionRequest))
+
+    return await _timed(request, "completions", call)
+
+
+async def _models(request: web.Request) -> web.Response:
+    return _model_json(request.app[DRIVER_KEY].models())
+
+
+async def _model(request: web.Request) -> web.Response:
+    models = request.app[DRIVER_KEY].models()
+    for card in models.data:
+        if card.id == request.match_info["model"]:
+            return _model_json(card)
+    raise ApiError(
+        404,
+        f"The model '{request.match_info['model']}' does not exist.",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    driver = request.app[DRIVER_KEY]
+    status = 200 if driver.alive else 503
+    return _json({"alive": driver.alive}, status=status)
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    driver = request.app[DRIVER_KEY]
+    serving = driver.router.serving()
+    return _json({"ready": driver.ready, "serving_replicas": serving}, status=200 if driver.ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[DRIVER_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+# -- admin --------------------------------------------------------------------------------------------------------
+
+
+def _authorize(request: web.Request) -> Driver:
+    token = request.app[ADMIN_TOKEN_KEY]
+    if not token:
+        raise ApiError(
+            403,
+            "The admin API is disabled: the driver was started without an admin token (IWG_ADMIN_TOKEN_FILE).",
+            type="permission_error",
+        )
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(
+            401, "Missing or wrong admin token (Authorization: Bearer <token>).", type="authentication_error"
+        )
+    return request.app[DRIVER_KEY]
+
+
+def _replica_param(request: web.Request, driver: Driver) -> int:
+    text = request.match_info["replica"]
+    if not text.isdigit() or not driver.router.known(int(text)):
+        raise ApiError(404, f"Unknown replica '{text}'.", type="not_found_error", param="replica")
+    return int(text)
+
+
+async def _admin_replicas(request: web.Request) -> web.Response:
+    driver = _authorize(request)
+    return _json({"replicas": driver.router.snapshot(), "queue_depth": driver.batcher.depth})
+
+
+async def _admin_batch_params(request: web.Request) -> web.Response:
+    driver = _authorize(request)
+    body = await _parse(request, BatchParamsRequest)
+    result = await driver.adjust_batch_params(body.max_batch_size, body.max_wait_ms)
+    return _json(result)
+
+
+async def _admin_drain(request: web.Request) -> web.Response:
+    driver = _authorize(request)
+    replica = _replica_param(request, driver)
+    try:
+        timeout = float(request.query.get("timeout", "60"))
+    except ValueError:
+        raise ApiError(400, "'timeout' must be a number of seconds.", param="timeout") from None
+    drained = await driver.router.drain(replica, timeout=max(0.0, min(timeout, 600.0)))
+    return _json(
+        {
+            "replica": replica,
+            "draining": True,
+            "drained": drained,
+            "inflight_batches": driver.router.inflight(replica),
+        }
+    )
+
+
+async def _admin_undrain(request: web.Request) -> web.Response:
+    driver = _authorize(request)
+    replica = _replica_param(request, driver)
+    driver.router.undrain(replica)
+    return _json({"replica": replica, "draining": False})

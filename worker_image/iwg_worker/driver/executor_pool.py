@@ -1,0 +1,182 @@
+"""`ExecutorPool`: the driver's `ReplicaPool` on top of a runtime executor (ClusterExecutor in a pod,
+MultiprocExecutor under `iwg serve`).
+
+A batch becomes one `execute_model` call on one replica (`collective_rpc_future(..., replica=r,
+unique_reply_rank=output_rank)`), awaited without blocking the event loop. The executor fails a pending call
+when a rank of its replica leaves (goodbye, missed heartbeats, process exit) or its deadline passes; both
+become `ReplicaFailure`, which the router retries elsewhere. A reply that arrives after that is dropped by
+the executor (replies are matched by call id), so a retried batch is never answered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from iwg_worker.driver.pool import (
+    Batch,
+    BatchFailure,
+    EmbedResult,
+    GenerateResult,
+    ItemResult,
+    MembershipEvent,
+    MembershipListener,
+    ReplicaFailure,
+    ReplicaState,
+)
+from iwg_worker.executor.base import (
+    Executor,
+    ReplicaLostError,
+    ReplicaUnavailableError,
+    RPCError,
+    RPCTimeoutError,
+)
+from iwg_worker.executor.base import MembershipEvent as ExecutorEvent
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorPool:
+    def __init__(self, executor: Executor, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.executor = executor
+        self._loop = loop or asyncio.get_running_loop()
+        self._listeners: list[MembershipListener] = []
+        self._joined: dict[int, set[int]] = {}  # replica -> ranks that have joined
+        self._unsubscribe = executor.subscribe(self._from_io_thread)
+        for replica in executor.serving_replicas():
+            self._joined[replica] = set(range(executor.world_size))
+
+    # -- membership --------------------------------------------------------------------------------------------
+
+    def states(self) -> dict[int, ReplicaState]:
+        serving = self.executor.serving_replicas()
+        return {r: self._state(r, serving) for r in range(self.executor.replicas)}
+
+    def _state(self, replica: int, serving: frozenset[int]) -> ReplicaState:
+        if replica in serving:
+            return ReplicaState.SERVING
+        return ReplicaState.JOINING if self._joined.get(replica) else ReplicaState.DEAD
+
+    def add_listener(self, listener: MembershipListener) -> None:
+        self._listeners.append(listener)
+
+    def _from_io_thread(self, event: ExecutorEvent) -> None:
+        # The executor calls back on its I/O thread; the router lives on the event loop.
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the driver is shutting down
+            self._loop.call_soon_threadsafe(self._on_event, event)
+
+    def _on_event(self, event: ExecutorEvent) -> None:
+        ranks = self._joined.setdefault(event.replica, set())
+        if event.kind == "joined" and event.rank is not None:
+            ranks.add(event.rank)
+        elif event.kind == "left" and event.rank is not None:
+            ranks.discard(event.rank)
+        state = self._state(event.replica, self.executor.serving_replicas())
+        for listener in self._listeners:
+            listener(MembershipEvent(event.replica, state, f"{event.kind}: {event.reason}"))
+
+    # -- batches -----------------------------------------------------------------------------------------------
+
+    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemResult]:
+        payload = _payload(batch)
+        try:
+            future = self.executor.collective_rpc_future(
+                "execute_model",
+                (payload,),
+                timeout=timeout,
+                unique_reply_rank=self.executor.output_rank,
+                replica=replica,
+            )
+            reply = await asyncio.wrap_future(future)
+        except (ReplicaLostError, ReplicaUnavailableError, RPCTimeoutError) as exc:
+            raise ReplicaFailure(str(exc)) from exc
+        except RPCError as exc:
+            raise BatchFailure(f"{exc.remote_type}: {exc.remote_message}") from exc
+        except RuntimeError as exc:  # executor shut down under the call
+            raise ReplicaFailure(str(exc)) from exc
+        try:
+            return _results(batch, reply)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BatchFailure(f"replica {replica} sent a reply of an unexpected shape: {exc}") from exc
+
+    async def collective_rpc(
+        self, method: str, kwargs: dict[str, Any], timeout: float
+    ) -> dict[int, list[Any] | str]:
+        replicas = sorted(self.executor.serving_replicas())
+        futures = [
+            asyncio.wrap_future(
+                self.executor.collective_rpc_future(method, kwargs=kwargs, timeout=timeout, replica=r)
+            )
+            for r in replicas
+        ]
+        replies = await asyncio.gather(*futures, return_exceptions=True)
+        out: dict[int, list[Any] | str] = {}
+        for replica, reply in zip(replicas, replies, strict=True):
+            out[replica] = (
+                f"{type(reply).__name__}: {reply}" if isinstance(reply, BaseException) else list(reply)
+            )
+        return out
+
+    async def close(self) -> None:
+        self._unsubscribe()
+        await asyncio.to_thread(self.executor.shutdown)
+
+
+def _payload(batch: Batch) -> dict[str, Any]:
+    if batch.task == "embed":
+        return {"inputs": list(batch.inputs)}
+    params = batch.params
+    assert params is not None
+    payload: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "seed": params.seed,
+    }
+    if all(isinstance(x, str) for x in batch.inputs):
+        payload["prompts"] = list(batch.inputs)
+    else:
+        payload["input_ids"] = [list(x) for x in batch.inputs]
+    return payload
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any]:
+    if hasattr(value, "numpy"):  # a torch tensor decoded from the wire
+        return np.asarray(value.numpy())
+    return np.asarray(value)
+
+
+def _results(batch: Batch, reply: Any) -> list[ItemResult]:
+    if not isinstance(reply, dict):
+        raise TypeError(f"execute_model returned {type(reply).__name__}, not a map")
+    n = len(batch.inputs)
+    if batch.task == "embed":
+        embeddings = _as_array(reply["embeddings"]).astype(np.float32, copy=False)
+        if embeddings.ndim != 2 or embeddings.shape[0] != n:
+            raise ValueError(f"embeddings of shape {embeddings.shape} for {n} inputs")
+        counts = reply.get("prompt_tokens")
+        tokens = [int(c) for c in _as_array(counts).reshape(-1)] if counts is not None else [0] * n
+        return [EmbedResult(embeddings[i], tokens[i]) for i in range(n)]
+    params = batch.params
+    assert params is not None
+    token_ids: list[list[int]] = reply["token_ids"]
+    texts: list[str] = reply.get("text") or ["" for _ in token_ids]
+    prompt_counts = reply.get("prompt_tokens") or [
+        len(x) if not isinstance(x, str) else 0 for x in batch.inputs
+    ]
+    if len(token_ids) != n or len(texts) != n:
+        raise ValueError(f"{len(token_ids)} generations for {n} prompts")
+    return [
+        GenerateResult(
+            text=texts[i],
+            prompt_tokens=int(prompt_counts[i]),
+            completion_tokens=len(token_ids[i]),
+            finish_reason="length" if len(token_ids[i]) >= params.max_tokens else "stop",
+        )
+        for i in range(n)
+    ]

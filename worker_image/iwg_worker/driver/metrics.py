@@ -1,0 +1,88 @@
+"""The driver's Prometheus metrics: what the autoscaler reads and what people look at.
+
+One registry per driver (not the process-global default), so tests can run several drivers in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REPLICA_STATES = ("joining", "serving", "draining", "dead")
+
+
+class DriverMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "iwg_queue_depth", "Inputs waiting in the driver's queue for a batch slot", registry=r
+        )
+        self.queue_limit = Gauge(
+            "iwg_queue_limit", "Inputs the queue admits before answering 429", registry=r
+        )
+        self.inflight_requests = Gauge(
+            "iwg_inflight_requests", "HTTP inference requests admitted and not yet answered", registry=r
+        )
+        self.inflight_batches = Gauge(
+            "iwg_inflight_batches", "Batches sent to replicas and not yet answered", ["replica"], registry=r
+        )
+        self.requests = Counter(
+            "iwg_requests",
+            "HTTP inference requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "iwg_request_latency_seconds",
+            "Time from receiving a request to answering it",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_latency = Histogram(
+            "iwg_batch_latency_seconds",
+            "Time a replica took to answer a batch (transport included)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "iwg_queue_wait_seconds",
+            "Time an input waited in the queue before its batch was sent",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "iwg_batch_size", "Inputs per batch sent to a replica", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.replica_state = Gauge(
+            "iwg_replica_state",
+            "1 for the state each replica is in, 0 otherwise",
+            ["replica", "state"],
+            registry=r,
+        )
+        self.serving_replicas = Gauge(
+            "iwg_serving_replicas", "Replicas that receive batches (serving and not draining)", registry=r
+        )
+        self.batches = Counter("iwg_batches", "Batches sent, by replica", ["replica"], registry=r)
+        self.retries = Counter(
+            "iwg_batch_retries", "Batches retried on another replica after their replica failed", registry=r
+        )
+        self.replica_failures = Counter(
+            "iwg_replica_failures", "Batches whose replica died or timed out", ["replica"], registry=r
+        )
+        self.rejected = Counter(
+            "iwg_rejected_requests", "Requests refused before batching, by reason", ["reason"], registry=r
+        )
+        self.max_batch_size = Gauge(
+            "iwg_max_batch_size", "Current dynamic-batching max batch size", registry=r
+        )
+        self.max_wait_seconds = Gauge("iwg_max_wait_seconds", "Current dynamic-batching max wait", registry=r)
+
+    def set_replica_state(self, replica: int, state: str) -> None:
+        for s in REPLICA_STATES:
+            self.replica_state.labels(replica=str(replica), state=s).set(1.0 if s == state else 0.0)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

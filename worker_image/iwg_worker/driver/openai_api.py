@@ -1,0 +1,185 @@
+"""Request and response bodies of the OpenAI-compatible HTTP API, as pydantic models.
+
+Requests are strict (no silent coercion of "3" to 3) and reject unknown fields, as OpenAI's own API does, so a
+misspelt parameter is an error that names it rather than a setting that is silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+TokenIds = list[StrictInt]
+
+
+class EmbeddingRequest(_Request):
+    model: StrictStr
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
+    user: StrictStr | None = None
+
+
+class CompletionRequest(_Request):
+    model: StrictStr
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: Literal[False] = False
+    echo: Literal[False] = False
+    logprobs: None = None
+    user: StrictStr | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "iwg"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+    "service_unavailable",
+    "timeout",
+]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: ErrorType
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An error the HTTP layer turns into an OpenAI-shaped body with this status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: ErrorType = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return ErrorBody(error=self.detail).model_dump()
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    """`('input', 2)` -> `input[2]`; pydantic's union branch names (`list[str]`) are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in {"str", "int", "float", "bool", "none"} or part.startswith("function-"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first problem pydantic found, phrased for a client: which field, what is wrong with it."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    param = _location(tuple(first["loc"]))
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first["type"] == "missing":
+        message = f"Missing required parameter: '{param}'."
+    elif len({_location(tuple(e["loc"])) for e in errors}) == 1 and len(errors) > 1:
+        # A union (e.g. `input`) failed in every branch: the per-branch messages confuse more than help.
+        message = f"Invalid type for '{param}': got {_describe(first.get('input'))}."
+    else:
+        message = f"Invalid value for '{param}': {first['msg']}."
+    return ApiError(400, message, param=param or None, code="invalid_value")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array with an element of another type" if value else "an empty array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,103 @@
+"""What the driver needs from the workers: a pool of replicas it can send batches to.
+
+The router and batcher are written against `ReplicaPool`, not against an executor, so they can be tested with
+an in-process fake and run on top of whichever executor holds the workers (ClusterExecutor in a pod,
+MultiprocExecutor under `iwg serve`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Task = Literal["embed", "generate"]
+
+
+class ReplicaState(enum.Enum):
+    JOINING = "joining"  # some ranks have said hello, not all
+    SERVING = "serving"  # every rank joined and heartbeating
+    DEAD = "dead"  # a rank left or missed heartbeats; pending batches on it fail
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Inputs that travel to one replica together. `params` is None for embeddings."""
+
+    task: Task
+    inputs: tuple[str | tuple[int, ...], ...]
+    params: GenerateParams | None = None
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    embedding: npt.NDArray[np.float32]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: Literal["stop", "length"]
+
+
+ItemResult = EmbedResult | GenerateResult
+
+
+class ReplicaFailure(Exception):
+    """The replica died, left or did not answer in time: the batch may be retried on another replica."""
+
+
+class BatchFailure(Exception):
+    """The replica answered with an error (e.g. an exception in execute_model): retrying would fail again."""
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    replica: int
+    state: ReplicaState
+    reason: str = ""
+
+
+MembershipListener = Callable[[MembershipEvent], None]
+
+
+class ReplicaPool(Protocol):
+    """The replicas of one group. Replica ids are the group's replica indices (0..R-1)."""
+
+    def states(self) -> dict[int, ReplicaState]:
+        """Every replica the pool knows of, and its state now."""
+        ...
+
+    def add_listener(self, listener: MembershipListener) -> None:
+        """Call `listener` (on the event loop's thread) whenever a replica changes state."""
+        ...
+
+    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemResult]:
+        """Run `batch` on `replica`; one result per input, in order.
+
+        Raises ReplicaFailure when the replica dies or `timeout` passes, BatchFailure when it reports an error.
+        """
+        ...
+
+    async def collective_rpc(
+        self, method: str, kwargs: dict[str, Any], timeout: float
+    ) -> dict[int, list[Any] | str]:
+        """Call `method` on every rank of every serving replica: replica -> per-rank replies, or an error."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,250 @@
+"""Routing batches to replicas: least loaded first, one retry on another replica, drain.
+
+Every queued input's future is resolved exactly once, here: with its result, or with the error that ended
+its batch. A reply that arrives after its batch was given up on is dropped by the pool (replies are matched
+by request id), so no input is answered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from iwg_worker.driver.batcher import QueuedItem
+from iwg_worker.driver.metrics import DriverMetrics
+from iwg_worker.driver.pool import (
+    Batch,
+    BatchFailure,
+    ItemResult,
+    MembershipEvent,
+    ReplicaFailure,
+    ReplicaPool,
+    ReplicaState,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NoReplica(Exception):
+    """No serving replica could take the batch within the grace period."""
+
+
+class Router:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        metrics: DriverMetrics,
+        *,
+        max_inflight_per_replica: int = 2,
+        batch_timeout_s: float = 60.0,
+        no_replica_grace_s: float = 5.0,
+    ) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self._max_inflight = max_inflight_per_replica
+        self._batch_timeout = batch_timeout_s
+        self.no_replica_grace_s = no_replica_grace_s
+        self._states: dict[int, ReplicaState] = dict(pool.states())
+        self._inflight: dict[int, int] = {}
+        self._draining: set[int] = set()
+        self._changed = asyncio.Event()
+        self._batch_seconds = 0.05  # running estimate, for Retry-After
+        pool.add_listener(self._on_membership)
+        for replica in self._states:
+            self._publish(replica)
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def serving(self) -> list[int]:
+        return sorted(
+            r for r, s in self._states.items() if s is ReplicaState.SERVING and r not in self._draining
+        )
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return [
+            {
+                "replica": r,
+                "state": self._state_name(r),
+                "inflight_batches": self._inflight.get(r, 0),
+            }
+            for r in sorted(self._states)
+        ]
+
+    def retry_after_s(self, queued: int, max_batch_size: int) -> int:
+        """Roughly how long the queue takes to drain with the replicas serving now, at least 1 s."""
+        replicas = max(1, len(self.serving()))
+        batches = queued / max(1, max_batch_size) / replicas
+        return max(1, int(batches * self._batch_seconds + 0.999))
+
+    def _state_name(self, replica: int) -> str:
+        state = self._states.get(replica, ReplicaState.DEAD)
+        if state is ReplicaState.SERVING and replica in self._draining:
+            return "draining"
+        return state.value
+
+    def _on_membership(self, event: MembershipEvent) -> None:
+        previous = self._states.get(event.replica)
+        self._states[event.replica] = event.state
+        if previous is not event.state:
+            log.info("replica %d: %s -> %s %s", event.replica, previous, event.state.value, event.reason)
+        self._publish(event.replica)
+        self._wake()
+
+    def _publish(self, replica: int) -> None:
+        self._metrics.set_replica_state(replica, self._state_name(replica))
+        self._metrics.inflight_batches.labels(replica=str(replica)).set(self._inflight.get(replica, 0))
+        self._metrics.serving_replicas.set(len(self.serving()))
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- choosing ----------------------------------------------------------------------------------------------
+
+    def pick(self, exclude: frozenset[int] = frozenset(), *, respect_limit: bool = True) -> int | None:
+        candidates = [
+            r
+            for r in self.serving()
+            if r not in exclude and (not respect_limit or self._inflight.get(r, 0) < self._max_inflight)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (self._inflight.get(r, 0), r))
+
+    def has_slot(self) -> bool:
+        return self.pick() is not None
+
+    async def wait_for_slot(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.has_slot():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    async def wait_for_serving(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.serving():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    # -- running -----------------------------------------------------------------------------------------------
+
+    async def run(self, batch: Batch, items: list[QueuedItem]) -> None:
+        """Run `batch` on the least-loaded replica; if that replica fails, once more on another one."""
+        tried: frozenset[int] = frozenset()
+        last_error: Exception | None = None
+        for attempt in range(2):
+            replica = self.pick(tried) if attempt == 0 else self.pick(tried, respect_limit=False)
+            if replica is None and attempt == 0 and await self._wait_any_serving(tried):
+                replica = self.pick(tried, respect_limit=False)
+            if replica is None:
+                break
+            if attempt == 1:
+                self._metrics.retries.inc()
+                log.warning("retrying a batch of %d on replica %d after: %s", len(items), replica, last_error)
+            tried = tried | {replica}
+            try:
+                results = await self._execute(replica, batch)
+            except ReplicaFailure as exc:
+                self._metrics.replica_failures.labels(replica=str(replica)).inc()
+                last_error = exc
+                continue
+            except BatchFailure as exc:
+                _fail(items, exc)
+                return
+            except Exception as exc:  # a bug in the pool must not leave requests hanging
+                log.exception("replica %d: unexpected error running a batch", replica)
+                _fail(items, BatchFailure(f"{type(exc).__name__}: {exc}"))
+                return
+            if len(results) != len(items):
+                _fail(
+                    items, BatchFailure(f"replica {replica} returned {len(results)} results for {len(items)}")
+                )
+                return
+            for item, result in zip(items, results, strict=True):
+                if not item.future.done():
+                    item.future.set_result(result)
+            return
+        if last_error is None:
+            _fail(items, NoReplica("no serving replica"))
+        elif len(tried) < 2:
+            _fail(items, NoReplica(f"replica failed ({last_error}) and no other replica is serving"))
+        else:
+            _fail(items, ReplicaFailure(f"two replicas failed this batch; last: {last_error}"))
+
+    async def _wait_any_serving(self, exclude: frozenset[int]) -> bool:
+        deadline = time.monotonic() + self.no_replica_grace_s
+        while not [r for r in self.serving() if r not in exclude]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    async def _execute(self, replica: int, batch: Batch) -> list[ItemResult]:
+        self._inflight[replica] = self._inflight.get(replica, 0) + 1
+        self._publish(replica)
+        self._metrics.batch_size.observe(len(batch.inputs))
+        self._metrics.batches.labels(replica=str(replica)).inc()
+        started = time.monotonic()
+        try:
+            results = await self._pool.execute(replica, batch, self._batch_timeout)
+            elapsed = time.monotonic() - started
+            self._metrics.batch_latency.observe(elapsed)
+            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+            return list(results)
+        finally:
+            self._inflight[replica] -= 1
+            self._publish(replica)
+            self._wake()
+
+    # -- drain -------------------------------------------------------------------------------------------------
+
+    def known(self, replica: int) -> bool:
+        return replica in self._states
+
+    async def drain(self, replica: int, timeout: float) -> bool:
+        """Stop sending new batches to `replica`; True once its in-flight batches have finished."""
+        self._draining.add(replica)
+        self._publish(replica)
+        self._wake()
+        deadline = time.monotonic() + timeout
+        while self._inflight.get(replica, 0) > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    def undrain(self, replica: int) -> None:
+        self._draining.discard(replica)
+        self._publish(replica)
+        self._wake()
+
+    def inflight(self, replica: int) -> int:
+        return self._inflight.get(replica, 0)
+
+
+def _fail(items: list[QueuedItem], exc: Exception) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(exc)

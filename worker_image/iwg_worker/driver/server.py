@@ -1,0 +1,66 @@
+"""Run a driver: HTTP server up, wait for SIGTERM/SIGINT, then stop taking requests, finish the admitted
+ones, and close the pool. Shared by `iwg-driver` (in a pod) and `iwg serve` (on one machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from iwg_worker.driver.app import build_app
+from iwg_worker.driver.service import Driver
+
+log = logging.getLogger(__name__)
+
+
+async def run_driver(
+    driver: Driver,
+    host: str,
+    port: int,
+    admin_token: str | None,
+    *,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], Awaitable[None] | None] | None = None,
+    drain_timeout_s: float = 30.0,
+) -> None:
+    """Serve until `stop` is set or SIGTERM/SIGINT arrives; `on_listening(port)` runs once HTTP is bound."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    driver.start()
+    runner = web.AppRunner(build_app(driver, admin_token), handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = _bound_port(runner, port)
+    log.info("driver for %r listening on http://%s:%d", driver.config.served_name, host, bound)
+    try:
+        if on_listening is not None:
+            result = on_listening(bound)
+            if result is not None:
+                await result
+        await stop.wait()
+        log.info("stopping: finishing admitted requests (up to %.0f s)", drain_timeout_s)
+    finally:
+        # Stop accepting connections, let admitted requests finish, then stop the dispatcher and the pool.
+        await runner.shutdown()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runner.cleanup(), drain_timeout_s)
+        await driver.stop()
+        await driver.pool.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+def _bound_port(runner: web.AppRunner, fallback: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return fallback

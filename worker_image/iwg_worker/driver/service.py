@@ -1,0 +1,379 @@
+"""The driver's request path without HTTP: admit a request, batch its inputs, route, turn results into
+OpenAI responses; and the admin operations (batch parameters, drain).
+
+HTTP request -> `Driver.embed` -> `Batcher.enqueue` -> dispatch loop -> `Router.run` -> `ReplicaPool.execute`
+-> the replica's workers -> results set on each input's future -> `Driver.embed` builds the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from iwg_worker.driver.batcher import Batcher, BatchKey, BatchParams, QueuedItem, QueueFull
+from iwg_worker.driver.metrics import DriverMetrics
+from iwg_worker.driver.openai_api import (
+    ApiError,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from iwg_worker.driver.pool import (
+    BatchFailure,
+    EmbedResult,
+    GenerateParams,
+    GenerateResult,
+    ItemResult,
+    ReplicaFailure,
+    ReplicaPool,
+    Task,
+)
+from iwg_worker.driver.router import NoReplica, Router
+
+log = logging.getLogger(__name__)
+
+ADJUST_BATCH_PARAMS = "adjust_batch_params"
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    served_name: str
+    task: Task
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    max_queue: int = 1024
+    max_inputs_per_request: int = 2048
+    max_input_chars: int = 32_768
+    max_input_token_ids: int = 8192
+    max_completion_tokens: int = 2048
+    request_timeout_s: float = 60.0
+    batch_timeout_s: float = 30.0
+    no_replica_grace_s: float = 5.0
+    max_inflight_per_replica: int = 2
+    accepts_token_ids: bool = False
+
+
+class Driver:
+    def __init__(self, config: DriverConfig, pool: ReplicaPool, metrics: DriverMetrics | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics or DriverMetrics()
+        self.batcher = Batcher(
+            BatchParams(config.max_batch_size, config.max_wait_ms / 1000.0), config.max_queue, self.metrics
+        )
+        self.router = Router(
+            pool,
+            self.metrics,
+            max_inflight_per_replica=config.max_inflight_per_replica,
+            batch_timeout_s=config.batch_timeout_s,
+            no_replica_grace_s=config.no_replica_grace_s,
+        )
+        self.created = int(time.time())
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._embedding_dim: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch(), name="iwg-dispatch")
+
+    @property
+    def alive(self) -> bool:
+        return self._dispatcher is not None and not self._dispatcher.done()
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and bool(self.router.serving())
+
+    async def stop(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dispatcher
+        self.batcher.fail_all(NoReplica("the driver is shutting down"))
+        if self._running:
+            await asyncio.wait(self._running, timeout=self.config.batch_timeout_s)
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self.batcher.wait_nonempty()
+            if not await self.router.wait_for_slot(self.router.no_replica_grace_s):
+                if not self.router.serving():
+                    failed = self.batcher.fail_all(NoReplica("no serving replica came back in time"))
+                    log.warning(
+                        "no serving replica for %.1f s: failed %d queued inputs",
+                        self.router.no_replica_grace_s,
+                        failed,
+                    )
+                continue
+            batch, items = await self.batcher.next_batch()
+            task = asyncio.create_task(self.router.run(batch, items))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    # -- inference ---------------------------------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.config.served_name, created=self.created)])
+
+    async def embed(self, req: EmbeddingRequest) -> EmbeddingResponse:
+        self._check_model(req.model, "embed", "/v1/embeddings")
+        inputs = self._embedding_inputs(req.input)
+        if (
+            req.dimensions is not None
+            and self._embedding_dim is not None
+            and req.dimensions != self._embedding_dim
+        ):
+            raise self._dimensions_error(req.dimensions, self._embedding_dim)
+        results = await self._run(inputs, BatchKey("embed"))
+        data: list[EmbeddingData] = []
+        tokens = 0
+        for index, result in enumerate(results):
+            assert isinstance(result, EmbedResult)
+            vector = np.asarray(result.embedding, dtype=np.float32).reshape(-1)
+            self._embedding_dim = vector.shape[0]
+            if req.dimensions is not None and req.dimensions != vector.shape[0]:
+                raise self._dimensions_error(req.dimensions, vector.shape[0])
+            tokens += result.prompt_tokens
+            embedding: list[float] | str
+            if req.encoding_format == "base64":
+                embedding = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            else:
+                embedding = vector.tolist()
+            data.append(EmbeddingData.model_construct(object="embedding", index=index, embedding=embedding))
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return EmbeddingResponse.model_construct(object="list", data=data, model=req.model, usage=usage)
+
+    async def complete(self, req: CompletionRequest) -> CompletionResponse:
+        self._check_model(req.model, "generate", "/v1/completions")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        self._check_count(prompts, "prompt")
+        for i, prompt in enumerate(prompts):
+            self._check_text(prompt, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+        if req.max_tokens > self.config.max_completion_tokens:
+            raise ApiError(
+                400,
+                f"max_tokens is {req.max_tokens}, above this server's limit of {self.config.max_completion_tokens}.",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(s == "" for s in stops):
+            raise ApiError(
+                400, "stop sequences must not be empty strings.", param="stop", code="invalid_value"
+            )
+        params = GenerateParams(req.max_tokens, req.temperature, req.top_p, req.seed)
+        results = await self._run(list(prompts), BatchKey("generate", params))
+        choices: list[CompletionChoice] = []
+        prompt_tokens = completion_tokens = 0
+        for index, result in enumerate(results):
+            assert isinstance(result, GenerateResult)
+            text, finish = result.text, result.finish_reason
+            cut = min((p for p in (text.find(s) for s in stops) if p >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            choices.append(CompletionChoice(text=text, index=index, finish_reason=finish))
+            prompt_tokens += result.prompt_tokens
+            completion_tokens += result.completion_tokens
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=usage
+        )
+
+    async def _run(self, inputs: Sequence[str | tuple[int, ...]], key: BatchKey) -> list[ItemResult]:
+        if not self.router.serving():
+            self.metrics.rejected.labels(reason="no_replica").inc()
+            raise ApiError(
+                503,
+                "No replica of this model is serving right now; retry shortly.",
+                type="service_unavailable",
+                code="no_replica",
+                headers={"Retry-After": str(max(1, int(self.router.no_replica_grace_s)))},
+            )
+        try:
+            items = self.batcher.enqueue(list(inputs), key)
+        except QueueFull as exc:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            retry_after = self.router.retry_after_s(self.batcher.depth, self.batcher.params.max_batch_size)
+            raise ApiError(
+                429,
+                f"The server is at capacity ({exc}); retry after {retry_after} s.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(retry_after)},
+            ) from None
+        self.metrics.inflight_requests.inc()
+        try:
+            return await self._gather(items)
+        finally:
+            self.metrics.inflight_requests.dec()
+
+    async def _gather(self, items: list[QueuedItem]) -> list[ItemResult]:
+        futures = [item.future for item in items]
+        _, pending = await asyncio.wait(futures, timeout=self.config.request_timeout_s)
+        try:
+            if pending:
+                raise ApiError(
+                    504,
+                    f"The request did not complete within {self.config.request_timeout_s:g} s.",
+                    type="timeout",
+                    code="timeout",
+                )
+            return [f.result() for f in futures]
+        except NoReplica as exc:
+            raise ApiError(
+                503,
+                f"No replica could serve this request: {exc}.",
+                type="service_unavailable",
+                code="no_replica",
+                headers={"Retry-After": "1"},
+            ) from None
+        except ReplicaFailure as exc:
+            raise ApiError(
+                503,
+                f"The request failed on two replicas: {exc}.",
+                type="service_unavailable",
+                code="replica_failure",
+                headers={"Retry-After": "1"},
+            ) from None
+        except BatchFailure as exc:
+            raise ApiError(500, f"The model failed on this batch: {exc}", type="server_error") from None
+        finally:
+            self.batcher.discard(items)
+            for f in pending:
+                f.cancel()
+
+    # -- validation beyond the schema ----------------------------------------------------------------------------
+
+    def _check_model(self, model: str, task: Task, endpoint: str) -> None:
+        if model != self.config.served_name:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.config.served_name}'.",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        if task != self.config.task:
+            other = "/v1/embeddings" if self.config.task == "embed" else "/v1/completions"
+            raise ApiError(
+                400,
+                f"The model '{model}' serves task '{self.config.task}', not {endpoint}; use {other}.",
+                param="model",
+                code="wrong_endpoint",
+            )
+
+    def _embedding_inputs(
+        self, raw: str | list[str] | list[int] | list[list[int]]
+    ) -> list[str | tuple[int, ...]]:
+        if isinstance(raw, str):
+            self._check_text(raw, "input")
+            return [raw]
+        if not raw:
+            raise ApiError(400, "'input' must not be an empty array.", param="input", code="invalid_value")
+        if all(isinstance(x, int) for x in raw):
+            return [self._token_ids(raw, "input")]  # type: ignore[arg-type]
+        self._check_count(raw, "input")
+        out: list[str | tuple[int, ...]] = []
+        for i, x in enumerate(raw):
+            if isinstance(x, str):
+                self._check_text(x, f"input[{i}]")
+                out.append(x)
+            else:
+                assert isinstance(x, list)
+                out.append(self._token_ids(x, f"input[{i}]"))
+        return out
+
+    def _token_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
+        if not self.config.accepts_token_ids:
+            raise ApiError(
+                400,
+                f"'{param}' holds token ids; this server accepts text only. Send strings.",
+                param=param,
+                code="unsupported_input",
+            )
+        if not ids:
+            raise ApiError(400, f"'{param}' must not be an empty array.", param=param, code="invalid_value")
+        if len(ids) > self.config.max_input_token_ids:
+            raise ApiError(
+                400,
+                f"'{param}' has {len(ids)} tokens, above the limit of {self.config.max_input_token_ids}.",
+                param=param,
+                code="input_too_long",
+            )
+        if any(t < 0 for t in ids):
+            raise ApiError(400, f"'{param}' holds a negative token id.", param=param, code="invalid_value")
+        return tuple(ids)
+
+    def _check_count(self, inputs: Sequence[object], param: str) -> None:
+        if not inputs:
+            raise ApiError(400, f"'{param}' must not be an empty array.", param=param, code="invalid_value")
+        if len(inputs) > self.config.max_inputs_per_request:
+            raise ApiError(
+                400,
+                f"'{param}' has {len(inputs)} items, above the limit of {self.config.max_inputs_per_request} "
+                "per request.",
+                param=param,
+                code="too_many_inputs",
+            )
+
+    def _check_text(self, text: str, param: str) -> None:
+        if not text.strip():
+            raise ApiError(400, f"'{param}' must not be empty.", param=param, code="invalid_value")
+        if len(text) > self.config.max_input_chars:
+            raise ApiError(
+                400,
+                f"'{param}' is {len(text)} characters long, above the limit of {self.config.max_input_chars}.",
+                param=param,
+                code="input_too_long",
+            )
+
+    @staticmethod
+    def _dimensions_error(asked: int, native: int) -> ApiError:
+        return ApiError(
+            400,
+            f"This model returns {native}-dimensional embeddings; 'dimensions' {asked} is not supported.",
+            param="dimensions",
+            code="invalid_value",
+        )
+
+    # -- admin -------------------------------------------------------------------------------------------------
+
+    async def adjust_batch_params(
+        self, max_batch_size: int | None, max_wait_ms: float | None, timeout: float = 10.0
+    ) -> dict[str, Any]:
+        current = self.batcher.params
+        params = BatchParams(
+            max_batch_size if max_batch_size is not None else current.max_batch_size,
+            max_wait_ms / 1000.0 if max_wait_ms is not None else current.max_wait_s,
+        )
+        self.batcher.set_params(params)
+        kwargs = {"max_batch_size": params.max_batch_size, "max_wait_ms": params.max_wait_s * 1000.0}
+        replies = await self.pool.collective_rpc(ADJUST_BATCH_PARAMS, kwargs, timeout)
+        return {
+            "max_batch_size": params.max_batch_size,
+            "max_wait_ms": params.max_wait_s * 1000.0,
+            "replicas": {str(r): reply for r, reply in sorted(replies.items())},
+        }
