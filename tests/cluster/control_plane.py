@@ -18,6 +18,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -37,6 +38,8 @@ from kubernetes.client import ApiClient
 from tests.cluster import binaries
 from tests.cluster.gpu_nodes import GpuNodePool
 
+# Set to 1 to keep each stopped control plane's directory (component logs, etcd data) for debugging.
+KEEP_FILES_ENV = "IWG_KEEP_CLUSTER_FILES"
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -61,10 +64,6 @@ CONTROLLERS = (
 
 class StartupError(RuntimeError):
     pass
-
-
-class PortTakenError(StartupError):
-    """The free port we picked was taken by someone else before our process bound it."""
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -101,8 +100,12 @@ class ProcessRecord:
             return False
 
 
-def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 3.0) -> None:
-    """SIGTERM each process group, SIGKILL what is still there after the grace period."""
+def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 0.5) -> None:
+    """SIGTERM each process group, SIGKILL what is still there after the grace period.
+
+    The grace is short on purpose: kube-apiserver drains for many seconds and etcd waits for the
+    apiserver's connections, and nothing they would save survives the data directory's removal.
+    """
     live = [r for r in records if r.alive()]
     for rec in live:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -262,6 +265,9 @@ class ControlPlane:
             if proc.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.popen.wait(timeout=5)
+        if os.environ.get(KEEP_FILES_ENV) == "1":
+            print(f"{KEEP_FILES_ENV}=1: control-plane files and logs kept in {self.workdir}", file=sys.stderr)
+            return
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def detach(self) -> dict[str, Any]:
