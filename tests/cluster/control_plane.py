@@ -114,8 +114,9 @@ def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 0.5) -> No
     while any(r.alive() for r in live) and time.monotonic() < deadline:
         time.sleep(0.05)
     for rec in live:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(rec.pid, signal.SIGKILL)
+        if rec.alive():  # never signal a pid that has since been reused
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pid, signal.SIGKILL)
 
 
 @dataclass

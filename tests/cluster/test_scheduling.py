@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from tests.cluster.control_plane import ControlPlane
+from tests.cluster.control_plane import KWOK_STAGES, ControlPlane
 from tests.cluster.gpu_nodes import GPU_PRODUCT, GPU_PRODUCT_LABEL, GPU_RESOURCE
 
 pytestmark = pytest.mark.cluster
@@ -77,6 +79,20 @@ def test_pod_requesting_two_gpus_is_bound_to_a_gpu_node_and_runs(
 
     pod = eventually(running, what="pod Running")
     assert pod["spec"]["nodeName"] in gpu_nodes
+    kwok_options = next(yaml.safe_load_all(KWOK_STAGES.read_text()))["options"]
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(kwok_options["cidr"])
+
+    # Graceful deletion needs the node's agent to confirm; kwok plays that part too.
+    core.delete_namespaced_pod("two-gpus", namespace)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod("two-gpus", namespace)
+        except ApiException as exc:
+            return bool(exc.status == 404)
+        return False
+
+    eventually(gone, what="pod deleted")
 
 
 def _unschedulable_reason(core: client.CoreV1Api, name: str, namespace: str) -> str | None:
