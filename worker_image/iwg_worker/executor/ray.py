@@ -1,0 +1,689 @@
+"""`RayExecutor`: a group's ranks as Ray actors, one `RayWorkerWrapper` per rank, a placement group per replica.
+
+Transport and trust. Calls travel as Ray actor tasks, and Ray serialises their arguments and results between
+its own processes with its own pickle-based serializer. That is Ray's transport, inside the user's own Ray
+cluster, which its users trust as a whole (anyone who can reach it can run code on it); it is not iwg's wire
+protocol, which stays msgpack plus raw frames. iwg adds no pickle of its own here, and this executor lets only
+plain data cross: None, bool, int, float, str, bytes, lists, tuples, dicts with string keys, numpy arrays and
+torch tensors, in calls and in results alike. Anything else is refused with a `TypeError` naming where it
+was, so a call that works on Ray also works over ZMQ. Methods travel as names and are resolved on the actor
+by the same allow-list as everywhere else (`WorkerWrapperBase.resolve_method`); no callable travels.
+
+Ray is imported by this module alone: `iwg_worker`, its other executors and `iwg serve` without
+``--executor ray`` never import it, and `iwg_operator` never imports this module. Install the ``ray`` extra.
+
+Placement: each replica gets a placement group of ``world_size`` bundles (one GPU each where the cluster has
+GPUs, else one CPU), ``PACK``ed by default so a replica's ranks share a node where they fit; rank k's actor
+takes bundle k. With ``world_size > 1`` the ranks join torch.distributed at rank 0's node address.
+
+Failure: each actor also runs a watch call in a concurrency group of its own that returns only when the
+executor stops it. When an actor's process dies, Ray fails that call at once: the rank is marked lost, every
+pending call on its replica fails with `ReplicaLostError`, later calls to that replica raise
+`ReplicaUnavailableError`, and subscribers get ``left`` and ``lost`` events; other replicas keep serving.
+Actors are not restarted (a torch.distributed group cannot take in a new member): build a new executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from iwg_operator.api import wiring
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from iwg_worker.executor.base import (
+    Executor,
+    MembershipCallback,
+    MembershipEvent,
+    ReplicaLostError,
+    ReplicaUnavailableError,
+    RPCError,
+    RPCTimeoutError,
+)
+from iwg_worker.worker_base import WorkerConfig
+from iwg_worker.worker_proc import DEFAULT_WORKER_CLS
+from iwg_worker.worker_wrapper import WorkerWrapperBase
+
+log = logging.getLogger(__name__)
+
+WATCH_GROUP = "iwg-watch"
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+_SHUTDOWN_CALL_TIMEOUT_S = 5.0
+_SHARED_PAYLOAD_BYTES = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------- plain data
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    # Checked by name so that this module does not import torch in the caller.
+    kind = type(value)
+    return kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")
+
+
+def require_plain(value: Any, where: str) -> int:
+    """Raise `TypeError` naming ``where`` (a path like ``args[0]['x']``) unless ``value`` is plain data.
+
+    Returns the bytes held in its buffers (bytes, arrays, tensors), which decides how it is shipped.
+    """
+    size = 0
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if item is None or isinstance(item, bool | int | float | str | np.generic):
+            continue
+        if isinstance(item, bytes):
+            size += len(item)
+        elif isinstance(item, np.ndarray):
+            if item.dtype.hasobject:
+                raise TypeError(
+                    f"{path} is a numpy array of Python objects: only numeric arrays cross to a worker"
+                )
+            size += item.nbytes
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"{path} has a key {key!r} of type {type(key).__name__}: keys must be str"
+                    )
+                stack.append((v, f"{path}[{key!r}]"))
+        elif _is_torch_tensor(item):
+            size += item.numel() * item.element_size()
+        else:
+            raise TypeError(
+                f"{path} is a {type(item).__qualname__}: only plain data (None, bool, int, float, str, bytes, "
+                f"lists, dicts with str keys, numpy arrays, torch tensors) crosses to a worker"
+            )
+    return size
+
+
+# ------------------------------------------------------------------------------------------- the actor
+
+
+class RayWorkerWrapper(WorkerWrapperBase):
+    """One rank inside a Ray actor: a `WorkerWrapperBase` plus the few methods the executor drives it with.
+
+    The executor calls `serve_call` for every collective call; its reply is a plain map, ``{ok, result}``
+    or ``{ok: False, error: {type, message, traceback}}``, as on the ZMQ wire.
+    """
+
+    def __init__(self, rpc_rank: int = 0) -> None:
+        super().__init__(rpc_rank)
+        self._watch_stopped = threading.Event()
+
+    def node_info(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        group = ray.util.get_current_placement_group()
+        return {
+            "pid": os.getpid(),
+            "placement_group": group.id.hex() if group is not None else "",
+            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "node_id": context.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def free_port(self) -> int:
+        """A port that is free on this actor's node now: rank 0 serves the torch.distributed rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+
+    def init_worker_from_plain(self, all_kwargs: list[dict[str, Any]]) -> None:
+        """`init_worker` with each rank's ``config`` given as a plain map (the fields of `WorkerConfig`)."""
+        built = []
+        for kwargs in all_kwargs:
+            kwargs = dict(kwargs)
+            if isinstance(kwargs.get("config"), dict):
+                kwargs["config"] = WorkerConfig(**kwargs["config"])
+            built.append(kwargs)
+        self.init_worker(built)
+
+    def serve_call(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], reply: bool, deadline: float | None
+    ) -> dict[str, Any]:
+        if deadline is not None and time.time() > deadline:
+            message = f"call {method!r} reached rank {self.rpc_rank} after its deadline"
+            return {"ok": False, "error": {"type": "DeadlineExceeded", "message": message, "traceback": ""}}
+        try:
+            result = self.execute_method(method, args, kwargs)
+            if reply:
+                require_plain(result, f"result of {method!r}")
+            else:
+                result = None
+        except Exception as exc:
+            log.exception("call %r failed on rank %d", method, self.rpc_rank)
+            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+            return {"ok": False, "error": error}
+        return {"ok": True, "result": result}
+
+    @ray.method(concurrency_group=WATCH_GROUP)
+    def watch(self) -> str:
+        """Returns only when `stop_watch` is called: the executor learns of this process's death by its error."""
+        self._watch_stopped.wait()
+        return "stopped"
+
+    @ray.method(concurrency_group=WATCH_GROUP)
+    def stop_watch(self) -> None:
+        self._watch_stopped.set()
+
+
+_actor_class: Any = None
+
+
+def _ray_actor_class() -> Any:
+    global _actor_class
+    if _actor_class is None:
+        # Two threads in the watch group: `watch` blocks one, `stop_watch` needs the other.
+        _actor_class = ray.remote(concurrency_groups={WATCH_GROUP: 2})(RayWorkerWrapper)  # type: ignore[call-overload]
+    return _actor_class
+
+
+# ------------------------------------------------------------------------------------------- the executor
+
+
+@dataclass(frozen=True, slots=True)
+class RayRank:
+    """Where one rank runs."""
+
+    replica: int
+    rank: int
+    actor: Any  # ray.actor.ActorHandle
+    pid: int
+    ip: str
+    node_id: str
+    gpu_ids: tuple[str, ...]
+    placement_group: str
+
+    def describe(self) -> str:
+        return f"replica {self.replica} rank {self.rank} (Ray actor pid {self.pid} on {self.ip})"
+
+
+@dataclass(slots=True)
+class _Pending:
+    id: int
+    method: str
+    targets: list[int]
+    expected: set[tuple[int, int]]
+    unique_reply_rank: int | None
+    world_size: int
+    future: Future[Any]
+    timeout: float | None
+    results: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def assemble(self) -> Any:
+        per_replica = []
+        for replica in self.targets:
+            if self.unique_reply_rank is not None:
+                per_replica.append(self.results[(replica, self.unique_reply_rank)])
+            else:
+                per_replica.append([self.results[(replica, rank)] for rank in range(self.world_size)])
+        return per_replica[0] if len(self.targets) == 1 else per_replica
+
+
+def _default_bundle(device: str) -> dict[str, float]:
+    if device == "cpu":
+        return {"CPU": 1.0}
+    gpus = ray.cluster_resources().get("GPU", 0.0)  # type: ignore[no-untyped-call]
+    if device == "cuda" or gpus >= 1:
+        return {"GPU": 1.0}
+    return {"CPU": 1.0}
+
+
+def _died_reason(rank: RayRank, exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = next(
+        (line for line in lines if line.startswith("The actor is dead because")), lines[0] if lines else ""
+    )
+    detail = detail.split(" Some common causes")[0]
+    if len(detail) > 240:
+        detail = detail[:240] + "..."
+    return f"the Ray actor of {rank.describe()} died: {type(exc).__name__}: {detail}"
+
+
+class RayExecutor(Executor):
+    """``replicas`` replicas of ``config.world_size`` ranks, each rank a `RayWorkerWrapper` actor.
+
+    Joins the Ray cluster at ``ray_address`` (or ``RAY_ADDRESS``; a local Ray is started when neither is set)
+    unless this process is already connected; only a Ray it started itself is shut down with the executor.
+    ``bundle`` overrides each rank's resources, e.g. ``{"GPU": 1, "CPU": 4}``.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        worker_cls: str | type = DEFAULT_WORKER_CLS,
+        worker_extension_cls: str | type | None = None,
+        *,
+        replicas: int = 1,
+        ray_address: str | None = None,
+        bundle: Mapping[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        ray_init_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}"
+            )
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        self.replicas = replicas
+        self.world_size = config.world_size
+        self.config = config
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._lost: dict[tuple[int, int], str] = {}
+        self._subscribers: list[MembershipCallback] = []
+        self._closed = False
+        self._timer_cv = threading.Condition(self._lock)
+        self._deadlines: list[tuple[float, int]] = []
+        self._timer_thread: threading.Thread | None = None
+        self._watches: dict[tuple[int, int], Any] = {}
+        self.ranks: dict[tuple[int, int], RayRank] = {}
+        self._placement_groups: list[PlacementGroup] = []
+        self._actors: list[Any] = []
+
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=ray_address, **dict(ray_init_kwargs or {}))
+        self.bundle = dict(bundle) if bundle is not None else _default_bundle(config.device)
+        try:
+            self._start(
+                config,
+                _class_name(worker_cls) or DEFAULT_WORKER_CLS,
+                _class_name(worker_extension_cls),
+                placement_strategy,
+                startup_timeout_s,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- startup ---------------------------------------------------------------------------------------
+
+    def _start(
+        self, config: WorkerConfig, worker_cls: str, extension_cls: str | None, strategy: str, timeout: float
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        for _replica in range(self.replicas):
+            self._placement_groups.append(
+                placement_group([dict(self.bundle)] * self.world_size, strategy=strategy)
+            )
+        ready = [pg.ready() for pg in self._placement_groups]
+        _done, not_done = ray.wait(ready, num_returns=len(ready), timeout=timeout)
+        if not_done:
+            late = [i for i, ref in enumerate(ready) if ref in not_done]
+            available = ray.available_resources()  # type: ignore[no-untyped-call]
+            raise RuntimeError(
+                f"Ray could not place replicas {late} ({self.world_size} x {self.bundle}, {strategy}) within "
+                f"{timeout:g} s; the cluster has {available} available"
+            )
+        options = {
+            "num_cpus": self.bundle.get("CPU", 0.0),
+            "num_gpus": self.bundle.get("GPU", 0.0),
+            "resources": {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
+            "max_restarts": 0,
+            "max_task_retries": 0,
+        }
+        actor_class = _ray_actor_class()
+        handles: dict[tuple[int, int], Any] = {}
+        for replica, pg in enumerate(self._placement_groups):
+            for rank in range(self.world_size):
+                strategy_for_rank = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank
+                )
+                actor = actor_class.options(scheduling_strategy=strategy_for_rank, **options).remote(rank)
+                handles[(replica, rank)] = actor
+                self._actors.append(actor)
+
+        infos = self._startup_step("start", {k: a.node_info.remote() for k, a in handles.items()}, deadline)
+        for (replica, rank), info in infos.items():
+            self.ranks[(replica, rank)] = RayRank(
+                replica,
+                rank,
+                handles[(replica, rank)],
+                int(info["pid"]),
+                str(info["ip"]),
+                str(info["node_id"]),
+                tuple(info["gpu_ids"]),
+                str(info["placement_group"]),
+            )
+        if self.world_size > 1:
+            ports = self._startup_step(
+                "rendezvous",
+                {(r, 0): self.ranks[(r, 0)].actor.free_port.remote() for r in range(self.replicas)},
+                deadline,
+            )
+            envs_refs = {}
+            for replica in range(self.replicas):
+                envs = [
+                    {
+                        wiring.MASTER_ADDR: self.ranks[(replica, 0)].ip,
+                        wiring.MASTER_PORT: str(ports[(replica, 0)]),
+                        wiring.TORCH_RANK: str(rank),
+                        wiring.TORCH_WORLD_SIZE: str(self.world_size),
+                    }
+                    for rank in range(self.world_size)
+                ]
+                for rank in range(self.world_size):
+                    actor = self.ranks[(replica, rank)].actor
+                    envs_refs[(replica, rank)] = actor.update_environment_variables.remote(envs)
+            self._startup_step("environment", envs_refs, deadline)
+
+        init_refs = {}
+        for replica in range(self.replicas):
+            all_kwargs = [
+                {
+                    "worker_cls": worker_cls,
+                    "worker_extension_cls": extension_cls,
+                    "config": dataclasses.asdict(dataclasses.replace(config, replica=replica, rank=rank)),
+                }
+                for rank in range(self.world_size)
+            ]
+            for rank in range(self.world_size):
+                actor = self.ranks[(replica, rank)].actor
+                init_refs[(replica, rank)] = actor.init_worker_from_plain.remote(all_kwargs)
+        self._startup_step("init_worker", init_refs, deadline)
+        # All ranks of a replica must be in init_device together: that is where torch.distributed meets.
+        for phase in ("init_device", "load_model"):
+            refs = {
+                key: r.actor.serve_call.remote(phase, [], {}, True, None) for key, r in self.ranks.items()
+            }
+            for key, reply in self._startup_step(phase, refs, deadline).items():
+                if not reply["ok"]:
+                    e = reply["error"]
+                    raise RPCError(phase, key[0], key[1], e["type"], e["message"], e["traceback"])
+        for key, rank_info in self.ranks.items():
+            watch = rank_info.actor.watch.remote()
+            self._watches[key] = watch
+            watch.future().add_done_callback(lambda f, key=key: self._on_watch_end(key, f))
+        log.info(
+            "RayExecutor: %d replica(s) x %d rank(s) on %s, bundle %s",
+            self.replicas,
+            self.world_size,
+            sorted({r.ip for r in self.ranks.values()}),
+            self.bundle,
+        )
+
+    def _startup_step(
+        self, step: str, refs: dict[tuple[int, int], Any], deadline: float
+    ) -> dict[tuple[int, int], Any]:
+        """Wait for one startup step on every rank; an error names the step and the ranks."""
+        keys = list(refs)
+        left = max(deadline - time.monotonic(), 0.0)
+        _done, not_done = ray.wait([refs[k] for k in keys], num_returns=len(keys), timeout=left)
+        if not_done:
+            late = sorted(k for k in keys if refs[k] in not_done)
+            raise TimeoutError(
+                f"RayExecutor startup step {step!r} timed out; no answer from (replica, rank) {late}"
+            )
+        results = {}
+        for key in keys:
+            try:
+                results[key] = ray.get(refs[key])
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(
+                    f"RayExecutor startup step {step!r} failed on replica {key[0]} rank {key[1]}: {exc}"
+                ) from exc
+        return results
+
+    # -- calls -----------------------------------------------------------------------------------------
+
+    def collective_rpc_future(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Future[Any]:
+        if not isinstance(method, str) or not method:
+            raise TypeError(f"method must be a method name (str), got {method!r}")
+        targets = self._target_replicas(replica)
+        self._check_reply_rank(unique_reply_rank)
+        call_args = list(args)
+        call_kwargs = dict(kwargs or {})
+        payload_bytes = require_plain(call_args, "args") + require_plain(call_kwargs, "kwargs")
+        future: Future[Any] = Future()
+        reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
+        pending = _Pending(
+            id=next(self._ids),
+            method=method,
+            targets=targets,
+            expected={(r, k) for r in targets for k in reply_ranks},
+            unique_reply_rank=unique_reply_rank,
+            world_size=self.world_size,
+            future=future,
+            timeout=timeout,
+        )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("executor is shut down")
+            for r in targets:
+                lost = [k for k in range(self.world_size) if (r, k) in self._lost]
+                if lost:
+                    raise ReplicaUnavailableError(method, r, lost)
+            self._pending[pending.id] = pending
+            if timeout is not None:
+                self._arm_timer(time.monotonic() + timeout, pending.id)
+        wall_deadline = None if timeout is None else time.time() + timeout
+        fan_out = len(targets) * self.world_size
+        # Large payloads for many ranks: one copy in the object store instead of one serialisation per rank
+        # (a put costs a round trip to the object store, more than it saves on small payloads).
+        if fan_out > 1 and payload_bytes >= _SHARED_PAYLOAD_BYTES:
+            shared_args: Any = ray.put(call_args)
+            shared_kwargs: Any = ray.put(call_kwargs) if call_kwargs else call_kwargs
+        else:
+            shared_args, shared_kwargs = call_args, call_kwargs
+        for r in targets:
+            for k in range(self.world_size):
+                reply = unique_reply_rank is None or k == unique_reply_rank
+                ref = self.ranks[(r, k)].actor.serve_call.remote(
+                    method, shared_args, shared_kwargs, reply, wall_deadline
+                )
+                ref.future().add_done_callback(lambda f, key=(r, k): self._on_reply(pending, key, f))
+        return future
+
+    def _on_reply(self, pending: _Pending, key: tuple[int, int], done: Future[Any]) -> None:
+        replica, rank = key
+        try:
+            reply = done.result()
+        except ray.exceptions.RayActorError as exc:
+            self._rank_lost(key, _died_reason(self.ranks[key], exc))
+            return
+        except Exception as exc:
+            self._finish(pending, RPCError(pending.method, replica, rank, type(exc).__name__, str(exc), ""))
+            return
+        if not reply["ok"]:
+            e = reply["error"]
+            self._finish(
+                pending, RPCError(pending.method, replica, rank, e["type"], e["message"], e["traceback"])
+            )
+            return
+        if key not in pending.expected:
+            return
+        with self._lock:
+            if pending.future.done():
+                return
+            pending.results[key] = reply["result"]
+            pending.expected.discard(key)
+            complete = not pending.expected
+            if complete:
+                self._pending.pop(pending.id, None)
+        if complete:
+            try:
+                result = pending.assemble()
+            except Exception as exc:
+                pending.future.set_exception(exc)
+                return
+            _settle(pending.future, result=result)
+
+    def _finish(self, pending: _Pending, error: BaseException) -> None:
+        with self._lock:
+            self._pending.pop(pending.id, None)
+        _settle(pending.future, error=error)
+
+    # -- failure ---------------------------------------------------------------------------------------
+
+    def _on_watch_end(self, key: tuple[int, int], done: Future[Any]) -> None:
+        exc = done.exception()
+        if exc is not None:
+            self._rank_lost(key, _died_reason(self.ranks[key], exc))
+
+    def _rank_lost(self, key: tuple[int, int], reason: str) -> None:
+        replica, rank = key
+        with self._lock:
+            if self._closed or key in self._lost:
+                return
+            replica_was_serving = not any((replica, k) in self._lost for k in range(self.world_size))
+            self._lost[key] = reason
+            victims = [p for p in self._pending.values() if replica in p.targets]
+            for p in victims:
+                self._pending.pop(p.id, None)
+            serving = self._serving_locked()
+            subscribers = list(self._subscribers)
+        log.error("%s", reason)
+        for p in victims:
+            _settle(p.future, error=ReplicaLostError(p.method, replica, [rank], reason))
+        events = [MembershipEvent("left", replica, rank, reason, serving)]
+        if replica_was_serving:
+            events.append(MembershipEvent("lost", replica, None, reason, serving))
+        for event in events:
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("membership callback failed on %s", event)
+
+    def _serving_locked(self) -> frozenset[int]:
+        lost_replicas = {r for r, _k in self._lost}
+        return frozenset(r for r in range(self.replicas) if r not in lost_replicas)
+
+    def serving_replicas(self) -> frozenset[int]:
+        with self._lock:
+            return self._serving_locked()
+
+    def lost_ranks(self) -> dict[tuple[int, int], str]:
+        """(replica, rank) -> why it was lost."""
+        with self._lock:
+            return dict(self._lost)
+
+    def subscribe(self, callback: MembershipCallback) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    # -- timeouts --------------------------------------------------------------------------------------
+
+    def _arm_timer(self, deadline: float, call_id: int) -> None:
+        # Called with self._lock held.
+        heapq.heappush(self._deadlines, (deadline, call_id))
+        if self._timer_thread is None:
+            self._timer_thread = threading.Thread(
+                target=self._timer_loop, name="iwg-ray-timeouts", daemon=True
+            )
+            self._timer_thread.start()
+        elif self._deadlines[0][1] == call_id:
+            self._timer_cv.notify()
+
+    def _timer_loop(self) -> None:
+        while True:
+            expired: list[_Pending] = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _deadline, call_id = heapq.heappop(self._deadlines)
+                    pending = self._pending.pop(call_id, None)
+                    if pending is not None:
+                        expired.append(pending)
+                if not expired:
+                    wait = self._deadlines[0][0] - now if self._deadlines else None
+                    self._timer_cv.wait(wait)
+                    continue
+            for p in expired:
+                _settle(p.future, error=RPCTimeoutError(p.method, p.expected, p.timeout or 0.0))
+
+    # -- shutdown --------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._timer_cv.notify_all()
+        for p in pending:
+            _settle(
+                p.future, error=RuntimeError(f"{p.method!r}: executor shut down while the call was pending")
+            )
+        lost_replicas = {replica for replica, _rank in self._lost}
+        live = [r for r in self.ranks.values() if r.replica not in lost_replicas]
+        if live:
+            # Let the workers of intact replicas release their devices and process groups (a lost replica's
+            # ranks may be stuck in a collective); a rank that does not answer in time is killed anyway.
+            refs = [r.actor.serve_call.remote("shutdown", [], {}, False, None) for r in live]
+            refs += [r.actor.stop_watch.remote() for r in live]
+            ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_CALL_TIMEOUT_S)
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                log.debug("ray.kill failed", exc_info=True)
+        for pg in self._placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                log.debug("remove_placement_group failed", exc_info=True)
+        self._actors.clear()
+        self._placement_groups.clear()
+        if self._timer_thread is not None:
+            self._timer_thread.join(timeout=5)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless a racing path (reply, loss, timeout, shutdown) already did."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except Exception:  # InvalidStateError: already settled
+        pass
+
+
+def _class_name(cls: str | type | None) -> str | None:
+    if cls is None or isinstance(cls, str):
+        return cls
+    return f"{cls.__module__}.{cls.__qualname__}"
