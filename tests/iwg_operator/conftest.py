@@ -103,7 +103,8 @@ def iwg_crd(control_plane: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def groups(k8s: ApiClient, namespace: str) -> Groups:
+def groups(controller_manager: Any, k8s: ApiClient, namespace: str) -> Groups:
+    """Groups in a fresh namespace (the controller manager first: pods need the default ServiceAccount)."""
     return Groups(k8s, namespace)
 
 

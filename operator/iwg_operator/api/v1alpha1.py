@@ -48,7 +48,7 @@ PACKAGE_PATH_PREFIX = "pkg:"
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 CLASS_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
-QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+QUANTITY_PATTERN = r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 # Environment variables the operator owns (api/wiring.py); a user's `worker.env` may not override them.
 RESERVED_ENV_PREFIX = "IWG_"
 RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -62,7 +62,7 @@ def _quantity_to_str(value: object) -> object:
     return value
 
 
-# A Kubernetes resource quantity ("2", "500m", "16Gi"); YAML may give it as a number.
+# A non-negative Kubernetes resource quantity ("2", "500m", "16Gi"); YAML may give it as a number.
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),

@@ -1,0 +1,190 @@
+"""Bad InferenceWorkerGroups: the API server refuses them naming the field, and `load_manifest` (iwg serve)
+refuses the same ones naming the same field. What admission cannot know (the pod it would produce is
+invalid, a PriorityClass is missing, a name is taken) the operator marks with a condition and one Event,
+without crashing and without a retry storm.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from typing import Any
+
+import pytest
+from iwg_operator.api import v1alpha1 as api
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.iwg_operator.conftest import Groups, eventually
+
+pytestmark = pytest.mark.cluster
+
+_DROP = object()
+
+# (case id, path to change, new value (or _DROP), the field the error must name)
+ADMISSION_CASES: list[tuple[str, tuple[str | int, ...], Any, str]] = [
+    ("no-spec", ("spec",), _DROP, "spec"),
+    ("no-model", ("spec", "model"), _DROP, "spec.model"),
+    ("no-task", ("spec", "model", "task"), _DROP, "spec.model.task"),
+    ("task-enum", ("spec", "model", "task"), "classify", "spec.model.task"),
+    ("empty-path", ("spec", "model", "path"), "", "spec.model.path"),
+    ("dtype-enum", ("spec", "model", "dtype"), "int4", "spec.model.dtype"),
+    ("served-name", ("spec", "model", "servedName"), "has space", "spec.model.servedName"),
+    ("volume-path", ("spec", "model", "volume"), {"claimName": "models", "mountPath": "/data"}, "spec.model.path"),
+    ("replicas-negative", ("spec", "replicas"), -1, "spec.replicas"),
+    ("replicas-too-many", ("spec", "replicas"), 1001, "spec.replicas"),
+    ("replicas-string", ("spec", "replicas"), "two", "spec.replicas"),
+    ("world-zero", ("spec", "worldSize"), 0, "spec.worldSize"),
+    ("world-too-big", ("spec", "worldSize"), 65, "spec.worldSize"),
+    ("gpus-too-many", ("spec", "worker", "gpus"), 17, "spec.worker.gpus"),
+    ("gpus-negative", ("spec", "worker", "gpus"), -1, "spec.worker.gpus"),
+    ("cpu-quantity", ("spec", "worker", "cpu"), "lots", "spec.worker.cpu"),
+    ("memory-quantity", ("spec", "worker", "memory"), "1.5.3Gi", "spec.worker.memory"),
+    ("shm-quantity", ("spec", "worker", "shmSize"), "big", "spec.worker.shmSize"),
+    ("shm-negative", ("spec", "worker", "shmSize"), "-1Gi", "spec.worker.shmSize"),
+    ("env-reserved-iwg", ("spec", "worker", "env"), [{"name": "IWG_RANK", "value": "0"}], "spec.worker.env"),
+    ("env-reserved-torch", ("spec", "worker", "env"), [{"name": "MASTER_ADDR", "value": "x"}], "spec.worker.env"),
+    ("env-bad-name", ("spec", "worker", "env"), [{"name": "1BAD", "value": "x"}], "spec.worker.env[0].name"),
+    ("worker-cls", ("spec", "worker", "workerCls"), "not a class", "spec.worker.workerCls"),
+    ("extension-cls", ("spec", "worker", "workerExtensionCls"), "NoModule", "spec.worker.workerExtensionCls"),
+    ("cuda-without-gpu", ("spec", "worker"), {"gpus": 0, "device": "cuda"}, "spec.worker.device"),
+    ("pull-policy", ("spec", "worker", "imagePullPolicy"), "Sometimes", "spec.worker.imagePullPolicy"),
+    ("unknown-field", ("spec", "worker", "gpu"), 1, "spec.worker.gpu"),
+    ("driver-port-zero", ("spec", "driver", "port"), 0, "spec.driver.port"),
+    ("driver-port-high", ("spec", "driver", "port"), 70000, "spec.driver.port"),
+    ("batch-zero", ("spec", "driver", "batching"), {"maxBatchSize": 0}, "spec.driver.batching.maxBatchSize"),
+    ("queue-below-batch", ("spec", "driver", "batching"), {"maxBatchSize": 64, "maxQueue": 8},
+     "spec.driver.batching.maxQueue"),
+    ("toleration-operator", ("spec", "scheduling", "tolerations"), [{"key": "a", "operator": "Maybe"}],
+     "spec.scheduling.tolerations[0].operator"),
+    ("toleration-exists-value", ("spec", "scheduling", "tolerations"),
+     [{"key": "a", "operator": "Exists", "value": "x"}], "spec.scheduling.tolerations[0].value"),
+    ("gpus-exceed-node", ("spec",), {"model": {"task": "embed", "path": "/m"}, "worldSize": 4,
+     "worker": {"gpus": 4}, "scheduling": {"colocateRanks": True, "gpusPerNode": 8}}, "spec.worker.gpus"),
+    ("product-without-gpu", ("spec",), {"model": {"task": "embed", "path": "/m"}, "worker": {"gpus": 0},
+     "scheduling": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"}}, "spec.scheduling.gpuProduct"),
+    ("restart-policy", ("spec", "health", "restartPolicy"), "Node", "spec.health.restartPolicy"),
+    ("timeout-over-period", ("spec", "health"), {"periodSeconds": 5, "timeoutSeconds": 10},
+     "spec.health.timeoutSeconds"),
+    ("failure-threshold", ("spec", "health", "failureThreshold"), 0, "spec.health.failureThreshold"),
+    ("min-over-max", ("spec", "autoscaling"), {"minReplicas": 5, "maxReplicas": 2}, "spec.autoscaling.minReplicas"),
+    ("metric-enum", ("spec", "autoscaling", "metric"), "cpu", "spec.autoscaling.metric"),
+    ("tolerance-range", ("spec", "autoscaling", "tolerance"), 1.5, "spec.autoscaling.tolerance"),
+    ("max-unavailable", ("spec", "rollout", "maxUnavailable"), 0, "spec.rollout.maxUnavailable"),
+    ("name-too-long", ("metadata", "name"), "n" * 41, "metadata.name"),
+]  # fmt: skip
+
+
+def mutated(namespace: str, path: tuple[str | int, ...], value: Any) -> dict[str, Any]:
+    manifest: dict[str, Any] = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "bad", "namespace": namespace},
+        "spec": {"model": {"task": "embed", "path": "/models/m"}},
+    }
+    target: Any = manifest
+    for key in path[:-1]:
+        target = target.setdefault(key, {})
+    if value is _DROP:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = copy.deepcopy(value)
+    return manifest
+
+
+def normalized(text: str) -> str:
+    return re.sub(r"\[\d*\]", "", text)
+
+
+def test_table_of_bad_manifests_is_large_enough() -> None:
+    assert len(ADMISSION_CASES) + len(OPERATOR_CASES) >= 30
+    assert len({case[0] for case in ADMISSION_CASES}) == len(ADMISSION_CASES)
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "value", "field"), ADMISSION_CASES, ids=[c[0] for c in ADMISSION_CASES]
+)
+def test_api_server_and_load_manifest_refuse_naming_the_field(
+    iwg_crd: Any, k8s: Any, namespace: str, case: str, path: tuple[str | int, ...], value: Any, field: str
+) -> None:
+    manifest = mutated(namespace, path, value)
+    custom = client.CustomObjectsApi(k8s)
+    with pytest.raises(ApiException) as refused:
+        custom.create_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, manifest, field_validation="Strict"
+        )
+    assert refused.value.status in (400, 422), refused.value.body
+    message = json.loads(refused.value.body)["message"]
+    assert field in message, f"API server message does not name {field}: {message}"
+
+    with pytest.raises(api.ManifestError) as local:
+        api.load_manifest(manifest)
+    assert normalized(field) in normalized(str(local.value)), (
+        f"load_manifest does not name {field}: {local.value}"
+    )
+
+
+# Groups that pass admission but whose pods or children the API server refuses: (case, spec, words in the condition)
+OPERATOR_CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("affinity-invalid", {"scheduling": {"affinity": {"podAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}, "topologyKey": ""}]}}}},
+     ("affinity", "topologyKey")),
+    ("node-selector-key", {"scheduling": {"nodeSelector": {"bad key!": "x"}}}, ("nodeSelector",)),
+    ("priority-class-missing", {"scheduling": {"priorityClassName": "no-such-class"}}, ("PriorityClass",)),
+    ("toleration-key", {"scheduling": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}},
+     ("tolerations", "key")),
+    ("image-whitespace", {"worker": {"image": " worker:1"}}, ("image",)),
+    ("driver-service-taken", {}, ("Service", "not owned")),
+]  # fmt: skip
+
+
+def test_operator_marks_what_admission_cannot_know_without_crashing_or_looping(
+    groups: Groups, operator: Any, k8s: Any
+) -> None:
+    core = client.CoreV1Api(k8s)
+    # Someone else's Service already has the name the driver Service needs.
+    core.create_namespaced_service(
+        groups.namespace,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="taken-driver"),
+            spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=80)]),
+        ),
+    )
+    names = {}
+    for case, spec, _ in OPERATOR_CASES:
+        name = "taken" if case == "driver-service-taken" else case
+        names[case] = name
+        groups.create(name, replicas=1, worker=spec.pop("worker", {"gpus": 0}), **spec)
+
+    for case, _, words in OPERATOR_CASES:
+        name = names[case]
+        failed = eventually(
+            lambda name=name: (
+                (c := groups.condition(name, "ReconcileFailed")) and c["status"] == "True" and c
+            ),
+            timeout=30,
+            what=f"{case}: ReconcileFailed condition",
+        )
+        assert all(word in failed["message"] for word in words), (case, failed["message"])
+        degraded = groups.condition(name, "Degraded")
+        assert degraded is not None and degraded["status"] == "True", case
+        assert groups.get(name)["status"]["phase"] == "Failed", case
+
+    # Retries back off and the Event is posted once per distinct refusal: no storm.
+    time.sleep(6)
+    for case, _, _ in OPERATOR_CASES:
+        refusals = [e for e in groups.events(names[case]) if e.reason == "ReconcileFailed"]
+        assert len(refusals) == 1, (case, [e.message for e in refusals])
+        assert refusals[0].type == "Warning"
+        assert len(groups.live_pods(names[case])) <= 1, case
+
+    # Fixing the spec clears the condition: the operator was waiting, not stuck.
+    groups.patch("affinity-invalid", {"scheduling": {"affinity": None}})
+    eventually(
+        lambda: (c := groups.condition("affinity-invalid", "ReconcileFailed")) and c["status"] == "False",
+        timeout=60,
+        what="condition cleared after the fix",
+    )
+    assert len(groups.live_pods("affinity-invalid")) == 1
