@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 from collections.abc import Iterator
@@ -11,24 +10,20 @@ from typing import Any
 
 import yaml
 
+from tests.cluster import binaries
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "iwg-operator"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
-BUILD_SCRIPT = ROOT / "tests" / "cluster" / "build.sh"
 KUBE_VERSION = "v1.37.2"
 
 # The default values (None) and every file under values/: what lint, template and dry-run tests cover.
 VALUE_SETS: list[str | None] = [None, *sorted(p.name for p in VALUES_DIR.glob("*.yaml"))]
 
 
-@functools.cache
 def helm_binary() -> Path:
-    """helm from the versioned cache tests/cluster/build.sh fills (building it if it is missing)."""
-    subprocess.run(["bash", str(BUILD_SCRIPT), "helm"], check=True, capture_output=True, text=True)
-    out = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--print-dir"], check=True, capture_output=True, text=True
-    ).stdout
-    return Path(out.strip()) / "helm"
+    """helm from the versioned cache `make cluster-bins` (tests/cluster/build.sh) fills."""
+    return binaries.binary("helm")
 
 
 def values_args(value_set: str | None) -> list[str]:
