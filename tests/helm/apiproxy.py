@@ -132,17 +132,18 @@ class RecordingProxy:
         )
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # A client that goes away (the operator stopping) cancels its handler and so its upstream watch.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def _stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()  # ends every upstream stream still open
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
 
     def _record(self, method: str, url: str, content_type: str, status: int) -> None:
         with self._lock:
@@ -166,9 +167,9 @@ class RecordingProxy:
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
-            except (aiohttp.ClientError, ConnectionResetError, asyncio.CancelledError):
-                pass  # either side went away mid-stream (a watch ending): nothing to relay
-            await response.write_eof()
+                await response.write_eof()
+            except (aiohttp.ClientError, ConnectionResetError):
+                pass  # either side went away mid-stream (a watch ending): nothing more to relay
             return response
 
 

@@ -72,9 +72,8 @@ def test_the_api_server_accepts_the_rendered_chart(
     core.patch_namespace(namespace, {"metadata": {"labels": restricted}})
     manifests = chart.template(value_set, "--include-crds", namespace=namespace)
     docs = chart.documents(manifests)
-    done = control_plane.kubectl(
-        "apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-", input=manifests
-    )
+    # No --namespace: every namespaced object must name its own (Roles live in the watched namespaces).
+    done = control_plane.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=manifests)
     accepted = [line for line in done.stdout.splitlines() if line.endswith("(server dry run)")]
     assert len(accepted) == len(docs), done.stdout
     # Workload templates are checked against the namespace's level with a warning (pods are enforced).

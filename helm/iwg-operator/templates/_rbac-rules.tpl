@@ -3,7 +3,10 @@ What the operator does with the API, and nothing more (tests/helm/test_install.p
 these rules and fails on any 403 and on any rule it never exercised). No wildcards.
 */}}
 
-{{/* Rules in every namespace the operator handles. */}}
+{{/*
+Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs with scanning disabled
+(iwg_operator.runtime), so it neither lists CRDs nor namespaces.
+*/}}
 {{- define "iwg-operator.namespacedRules" -}}
 # Kopf: watch the groups, patch their finalizers, annotations and status.
 - apiGroups: [inference.iwg.dev]
@@ -36,11 +39,4 @@ these rules and fails on any 403 and on any rule it never exercised). No wildcar
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-{{- end -}}
-
-{{/* Cluster-scoped rules: Kopf observes CRDs to find the resources it serves. */}}
-{{- define "iwg-operator.clusterRules" -}}
-- apiGroups: [apiextensions.k8s.io]
-  resources: [customresourcedefinitions]
-  verbs: [list, watch]
 {{- end -}}
