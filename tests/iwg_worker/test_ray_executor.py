@@ -1,16 +1,22 @@
 """RayExecutor on a local Ray (2 CPUs): same output as UniProc, clear errors, no hang when an actor dies.
 
-The module starts one local Ray. Tests run in file order: the MiniLM test builds and stops its own executor,
-then one replica of two RPC-only ranks (filling the 2 CPUs) serves the rest; the last test kills one of them.
+The module starts one local Ray. Tests run in file order: the MiniLM tests (an executor here, then
+`iwg serve --executor ray` joining this Ray) each start and stop their own rank; then one replica of two
+RPC-only ranks (filling the 2 CPUs) serves the rest, and the last of those tests kills one of them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +34,9 @@ from iwg_worker.executor.base import (  # noqa: E402
 from iwg_worker.executor.ray import RayExecutor  # noqa: E402
 from iwg_worker.executor.uniproc import UniProcExecutor  # noqa: E402
 from iwg_worker.worker_base import WorkerConfig  # noqa: E402
+
+from tests.iwg_worker.driver.conftest import ROOT, free_port, stop, wait_http  # noqa: E402
+from tests.iwg_worker.driver.conftest import test_env as serve_env  # noqa: E402
 
 SENTENCES = [
     "The operator keeps every worker healthy.",
@@ -57,13 +66,19 @@ def rpc_pair() -> Iterator[RayExecutor]:
         executor.shutdown()
 
 
-def test_same_batch_same_output_as_uniproc(minilm_path: str) -> None:
-    batch = {"inputs": SENTENCES}
+@pytest.fixture(scope="module")
+def uniproc_embeddings(minilm_path: str) -> torch.Tensor:
     uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cpu"))
     try:
-        expected = uniproc.execute_model(batch)["embeddings"]
+        embeddings: torch.Tensor = uniproc.execute_model({"inputs": SENTENCES})["embeddings"]
+        return embeddings
     finally:
         uniproc.shutdown()
+
+
+def test_same_batch_same_output_as_uniproc(minilm_path: str, uniproc_embeddings: torch.Tensor) -> None:
+    batch = {"inputs": SENTENCES}
+    expected = uniproc_embeddings
 
     executor = RayExecutor(
         WorkerConfig(task="embed", model_path=minilm_path, device="cpu"), startup_timeout_s=180
@@ -77,6 +92,34 @@ def test_same_batch_same_output_as_uniproc(minilm_path: str) -> None:
         assert health["steps"] == 1 and health["model_loaded"] is True
     finally:
         executor.shutdown()
+
+
+def test_iwg_serve_with_the_ray_executor(tmp_path: Path, uniproc_embeddings: torch.Tensor) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "iwg_worker.cli", "serve", str(ROOT / "examples" / "minilm.yaml"),
+        "--executor", "ray", "--ray-address", ray.get_runtime_context().gcs_address,
+        "--replicas", "1", "--port", str(port),
+    ]  # fmt: skip
+    env = {**serve_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, 300, log)
+        body = json.dumps({"model": "all-MiniLM-L6-v2", "input": SENTENCES, "encoding_format": "float"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/embeddings", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            data = json.load(response)["data"]
+        got = torch.tensor([d["embedding"] for d in data])
+        torch.testing.assert_close(got, uniproc_embeddings, atol=1e-5, rtol=1e-5)
+    finally:
+        code = stop(proc)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "RayExecutor: 1 replica(s) x 1 rank(s)" in text, text[-3000:]
 
 
 def test_replica_ranks_share_a_placement_group_and_a_process_group(rpc_pair: RayExecutor) -> None:

@@ -3,7 +3,8 @@
 The manifest is validated by the operator's own models (`iwg_operator.api.v1alpha1.load_manifest`), so a
 manifest `iwg serve` accepts is one the API server accepts. The group runs as it would in a cluster: a
 driver (HTTP, batching, routing) and `replicas x worldSize` `iwg-worker` processes, spawned by
-`MultiprocExecutor` and reached over ZMQ ipc.
+`MultiprocExecutor` and reached over ZMQ ipc. With ``--executor ray`` the ranks are Ray actors instead
+(`RayExecutor`, the ``ray`` extra), on a local Ray or the cluster at ``--ray-address``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers")
     serve.add_argument(
         "--heartbeat-interval", type=float, default=None, help="seconds between heartbeats (default: 1)"
+    )
+    serve.add_argument(
+        "--executor",
+        choices=("multiproc", "ray"),
+        default="multiproc",
+        help="how ranks run: local processes over ZMQ ipc (default), or Ray actors (needs the 'ray' extra)",
+    )
+    serve.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray)",
     )
     return parser
 
@@ -143,6 +155,24 @@ def _start_workers(
         spec.model.task,
         model_path,
     )
+    if args.executor == "ray":
+        try:
+            from iwg_worker.executor.ray import RayExecutor
+        except ImportError as exc:
+            raise RuntimeError(
+                f"--executor ray needs the 'ray' extra (pip install 'iwg[ray]'): {exc}"
+            ) from exc
+
+        return RayExecutor(
+            config,
+            replicas=replicas,
+            world_size=world,
+            worker_cls=spec.worker.worker_cls or DEFAULT_WORKER_CLS,
+            worker_extension_cls=spec.worker.worker_extension_cls,
+            startup_timeout_s=args.startup_timeout,
+            extra_env=extra_env,
+            ray_address=args.ray_address,
+        )
     return MultiprocExecutor(
         config,
         replicas=replicas,
