@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from iwg_operator import labels, status
+from iwg_operator import labels, metrics, status
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision, drain_replicas
 from iwg_operator.builders.common import ADMIN_TOKEN_KEY, secret_name
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
@@ -80,11 +80,13 @@ class Supervisor:
             try:
                 if state.group is not None and now >= next_probe:
                     next_probe = now + state.group.spec.health.period_seconds
-                    await self._probe(state, prober)
+                    with metrics.reconcile("health"):
+                        await self._probe(state, prober)
                 if state.group is not None and now >= next_scale:
                     next_scale = now + self.autoscale_interval
                     if state.group.spec.autoscaling.enabled:
-                        await self._autoscale(state, scaler)
+                        with metrics.reconcile("autoscale"):
+                            await self._autoscale(state, scaler)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # never let one bad round end the supervision of a group
@@ -115,6 +117,9 @@ class Supervisor:
                 )
             for pod in replacement.pods:
                 await self.controller.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
+            metrics.pod_replaced(
+                "device-fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
+            )
             await self.controller.post_event(state, "Warning", "WorkerUnhealthy", message, once=False)
         if result.exhausted:
             await self.controller.post_event(state, "Warning", "RestartBudgetExhausted", result.exhausted)
@@ -148,6 +153,7 @@ class Supervisor:
         decision = scaler.decide(sample, error, current, spec.autoscaling)
         if decision.replicas is not None and decision.replicas != current:
             decision = await self._scale(state, decision, current, driver)
+        metrics.autoscaler_decision(_direction(decision.replicas, current))
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(
             SCALING_ACTIVE,
@@ -240,3 +246,9 @@ class Supervisor:
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return any(old.get(k) != new.get(k) for k in ("status", "reason", "message", "observedGeneration"))
+
+
+def _direction(desired: int | None, current: int) -> str:
+    if desired is None or desired == current:
+        return "hold"
+    return "up" if desired > current else "down"

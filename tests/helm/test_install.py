@@ -322,6 +322,7 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
     for name in metrics.METRIC_NAMES:
         assert name.removesuffix("_total") in names, f"{name} missing from /metrics"
     assert _total(scraped["iwg_operator_reconciles"], handler="reconcile") > 0
+    assert _total(scraped["iwg_operator_reconciles"], handler="health") > 0, "the health prober never ran"
     assert _total(scraped["iwg_operator_pods_created"]) >= 3
     api_requests = scraped["iwg_operator_api_requests"]
     assert _total(api_requests) > 0
