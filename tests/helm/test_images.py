@@ -10,8 +10,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from iwg_operator import builders
+from iwg_operator.controller import group_from_body
 
 from tests.helm import chart
 from tests.helm.chart import ROOT
@@ -101,3 +105,42 @@ def test_every_command_the_chart_runs_is_a_console_script(value_set: str | None)
             continue
         for container in doc["spec"]["template"]["spec"]["containers"]:
             assert container["command"][0] in CONSOLE_SCRIPTS, container["command"]
+
+
+def _example_group() -> Any:
+    body = yaml.safe_load((ROOT / "examples" / "minilm.yaml").read_text())
+    body["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000001")
+    return group_from_body(body)
+
+
+def _commands_of_the_operators_pods() -> list[list[str]]:
+    group = _example_group()
+    settings = builders.BuildSettings()
+    pods = [builders.worker_pod(group, 0, 0, settings)["spec"]]
+    pods.append(builders.driver_deployment(group)["spec"]["template"]["spec"])
+    return [c["command"] for pod in pods for c in [*pod.get("initContainers", []), *pod["containers"]]]
+
+
+def test_every_command_the_operators_pods_run_is_a_console_script_of_the_image() -> None:
+    commands = _commands_of_the_operators_pods()
+    assert {c[0] for c in commands} == {"iwg-worker", "iwg-driver"}
+    for command in commands:
+        assert command[0] in CONSOLE_SCRIPTS, command
+
+
+@pytest.mark.parametrize("script", sorted(CONSOLE_SCRIPTS))
+def test_every_console_script_resolves_to_a_callable(script: str) -> None:
+    module_name, _, attribute = CONSOLE_SCRIPTS[script].partition(":")
+    # Imported in a fresh interpreter: the operator's entry point must import without torch there too.
+    probe = (
+        "import importlib, sys\n"
+        f"target = getattr(importlib.import_module({module_name!r}), {attribute!r})\n"
+        "assert callable(target)\n"
+        f"print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    if module_name.startswith("iwg_operator"):
+        assert done.stdout.strip() == "False", f"{script} imports torch"
