@@ -333,6 +333,10 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
 def test_install_and_uninstall_leave_only_the_crd(
     control_plane: ControlPlane, controller_manager: ControlPlane, k8s: ApiClient, namespace: str
 ) -> None:
+    core = client.CoreV1Api(k8s)
+    core.patch_namespace(
+        namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
+    )
     release = _install(control_plane, namespace)
     kinds = {doc["kind"] for doc in release.manifest}
     assert {
@@ -347,6 +351,9 @@ def test_install_and_uninstall_leave_only_the_crd(
         assert _exists(control_plane, doc), f"{doc['kind']}/{doc['metadata']['name']} was not installed"
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == release.name
     assert _exists(control_plane, {"kind": "CustomResourceDefinition", "metadata": {"name": CRD_NAME}})
+    # The Deployment's pod is admitted where the restricted Pod Security level is enforced.
+    selector = "app.kubernetes.io/name=iwg-operator,app.kubernetes.io/instance=iwg"
+    eventually(lambda: core.list_namespaced_pod(namespace, label_selector=selector).items, "the operator pod")
     status = chart.helm("status", release.name, "--namespace", namespace, env=control_plane.env()).stdout
     assert "STATUS: deployed" in status and "Next steps" in status
 
