@@ -174,6 +174,8 @@ class Workload:
         example = yaml.safe_load((chart.ROOT / "examples" / "minilm.yaml").read_text())
         # The simulated nodes are GPU nodes with the usual taint; the CPU example tolerates it to land there.
         example["spec"].setdefault("scheduling", {})["tolerations"] = [GPU_TOLERATION]
+        # The autoscaler runs too (it holds: the simulated driver serves no metrics), with the same RBAC.
+        example["spec"]["autoscaling"]["enabled"] = True
         self.name = example["metadata"]["name"]
         self.example = example
 
@@ -324,6 +326,9 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
     assert _total(scraped["iwg_operator_reconciles"], handler="reconcile") > 0
     assert _total(scraped["iwg_operator_reconciles"], handler="health") > 0, "the health prober never ran"
     assert _total(scraped["iwg_operator_pods_created"]) >= 3
+    assert _total(scraped["iwg_operator_pods_replaced"], reason="rollout") >= 3
+    assert _total(scraped["iwg_operator_reconciles"], handler="autoscale") > 0
+    assert _total(scraped["iwg_operator_autoscaler_decisions"], decision="hold") > 0
     api_requests = scraped["iwg_operator_api_requests"]
     assert _total(api_requests) > 0
     assert _total(api_requests, code="403") == 0
