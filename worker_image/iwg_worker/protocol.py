@@ -12,7 +12,8 @@ Message kinds and their header keys (every key required, no others allowed):
   ``{type, message, traceback}`` or nil
 - ``hello`` / ``heartbeat``: ``{kind, group, replica, rank, world_size, pod, routing_id, capabilities}``
   worker -> driver; a heartbeat repeats the hello so a restarted driver relearns its members
-- ``goodbye``: ``{kind, replica, rank, reason}`` worker -> driver
+- ``goodbye``: ``{kind, replica, rank, reason, last_call}`` worker -> driver; ``last_call`` is the id of the
+  last call the worker ran (it ran every earlier one it received, and will run none after)
 - ``ping``: ``{kind, ts}`` driver -> worker heartbeat
 
 Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
@@ -107,6 +108,7 @@ class Goodbye:
     replica: int
     rank: int
     reason: str
+    last_call: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,7 @@ _KEYS: Final[dict[str, frozenset[str]]] = {
     "heartbeat": frozenset(
         {"kind", "group", "replica", "rank", "world_size", "pod", "routing_id", "capabilities"}
     ),
-    "goodbye": frozenset({"kind", "replica", "rank", "reason"}),
+    "goodbye": frozenset({"kind", "replica", "rank", "reason", "last_call"}),
     "ping": frozenset({"kind", "ts"}),
 }
 
@@ -249,8 +251,10 @@ def encode_hello(hello: Hello) -> list[Any]:
     )
 
 
-def encode_goodbye(replica: int, rank: int, reason: str) -> list[Any]:
-    return encode({"kind": "goodbye", "replica": replica, "rank": rank, "reason": reason})
+def encode_goodbye(replica: int, rank: int, reason: str, last_call: int | None) -> list[Any]:
+    return encode(
+        {"kind": "goodbye", "replica": replica, "rank": rank, "reason": reason, "last_call": last_call}
+    )
 
 
 def encode_ping(ts: float) -> list[Any]:
@@ -412,5 +416,6 @@ def _build(kind: str, h: dict[str, Any]) -> Message:
             replica=_require(h, "replica", int),
             rank=_require(h, "rank", int),
             reason=_require(h, "reason", str),
+            last_call=_require(h, "last_call", int, nullable=True),
         )
     return Ping(ts=_require(h, "ts", (float, int)))

@@ -123,7 +123,8 @@ class TorchWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.model = None
-        distributed.destroy_distributed()
+        # No destroy_process_group here: rank 0 hosts the rendezvous store and would wait for the other
+        # ranks, which may already be gone; the process is about to exit, which frees the group anyway.
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -158,6 +158,7 @@ class WorkerProc:
         self._loop_tick = time.monotonic()
         self._in_flight: tuple[str, float | None] | None = None
         self._last_ping: float | None = None
+        self._last_call: int | None = None
         self._model_loaded = False
         self.health = HealthServer(
             config.health_host, config.health_port, self._liveness, self._readiness, self.metrics.registry
@@ -318,6 +319,7 @@ class WorkerProc:
                 log.warning("rejected a %s message on the request socket", type(message).__name__)
 
     def _serve(self, call: protocol.Call) -> None:
+        self._last_call = call.id
         replies = call.reply_rank is None or call.reply_rank == self.rank
         if call.deadline is not None and time.time() > call.deadline:
             error = protocol.RemoteErrorInfo(
@@ -366,7 +368,9 @@ class WorkerProc:
 
     def close(self, reason: str) -> None:
         self._stopping.set()
-        self._emit(protocol.encode_goodbye(self.replica, self.rank, reason), force_queue=True)
+        self._emit(
+            protocol.encode_goodbye(self.replica, self.rank, reason, self._last_call), force_queue=True
+        )
         self._output_closing = True
         self._outbox.put(None)
         self._output_thread.join(timeout=5)
@@ -410,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     _install_signal_handlers(proc)
     if stop_early.is_set():
         proc.request_stop()
-    return proc.run()
+    code = proc.run()
+    # Everything is closed explicitly by now; skip the interpreter's teardown, which with torch (and a
+    # gloo group) takes seconds and would eat into the pod's termination grace period.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

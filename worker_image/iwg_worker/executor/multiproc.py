@@ -121,7 +121,7 @@ class MultiprocExecutor(RemoteExecutor):
         worker_cls: str = DEFAULT_WORKER_CLS,
         worker_extension_cls: str | None = None,
         heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
-        startup_timeout_s: float = 180.0,
+        startup_timeout_s: float = 600.0,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         """Spawn ``replicas * world_size`` WorkerProcs from ``config`` (its replica/rank/world_size are

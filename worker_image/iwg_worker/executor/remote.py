@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 from iwg_operator.api import wiring
@@ -172,11 +172,9 @@ class RemoteExecutor(Executor):
         if self._closed.is_set():
             raise RuntimeError("executor is shut down")
         future: Future[Any] = Future()
-        call_id = next(self._ids)
         reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
-        now = time.monotonic()
         pending = _Pending(
-            id=call_id,
+            id=0,
             method=method,
             targets=targets,
             expected={(r, k) for r in targets for k in reply_ranks},
@@ -184,26 +182,23 @@ class RemoteExecutor(Executor):
             world_size=self.world_size,
             future=future,
             timeout=timeout,
-            deadline=None if timeout is None else now + timeout,
+            deadline=None if timeout is None else time.monotonic() + timeout,
         )
-        with self._lock:
-            routes = []
-            for r in targets:
-                route = self._routes.get(r)
-                if route is None:
-                    missing = [k for k in range(self.world_size) if (r, k) not in self._members]
-                    raise ReplicaUnavailableError(method, r, missing or list(range(self.world_size)))
-                routes.append((r, route))
-            self._pending[call_id] = pending
-        frames = protocol.encode_call(
-            call_id,
-            method,
-            args,
-            kwargs,
-            unique_reply_rank,
-            None if timeout is None else time.time() + timeout,
-        )
+        deadline = None if timeout is None else time.time() + timeout
+        # Ids are taken and sent under one lock, so every worker receives its calls in id order: a goodbye's
+        # ``last_call`` then tells exactly which pending calls that worker ran.
         with self._send_lock:
+            call_id = pending.id = next(self._ids)
+            frames = protocol.encode_call(call_id, method, args, kwargs, unique_reply_rank, deadline)
+            with self._lock:
+                routes = []
+                for r in targets:
+                    route = self._routes.get(r)
+                    if route is None:
+                        missing = [k for k in range(self.world_size) if (r, k) not in self._members]
+                        raise ReplicaUnavailableError(method, r, missing or list(range(self.world_size)))
+                    routes.append((r, route))
+                self._pending[call_id] = pending
             for r, route in routes:
                 for rank, routing_id in enumerate(route):
                     try:
@@ -277,7 +272,9 @@ class RemoteExecutor(Executor):
             elif isinstance(message, protocol.Hello):
                 self._on_hello(message)
             elif isinstance(message, protocol.Goodbye):
-                self._member_left(message.replica, message.rank, f"goodbye: {message.reason}")
+                self._member_left(
+                    message.replica, message.rank, f"goodbye: {message.reason}", last_call=message.last_call
+                )
             else:
                 log.warning("rejected a %s message on the response socket", type(message).__name__)
 
@@ -384,7 +381,14 @@ class RemoteExecutor(Executor):
             if not p.future.done():
                 p.future.set_exception(RPCTimeoutError(p.method, p.expected, p.timeout or 0.0))
 
-    def _member_left(self, replica: int, rank: int, reason: str) -> None:
+    def _member_left(
+        self, replica: int, rank: int, reason: str, last_call: int | Literal[False] | None = False
+    ) -> None:
+        """Remove a member and fail the pending calls of its replica that it cannot have completed.
+
+        ``last_call`` comes with a goodbye (the worker ran every call up to that id, replied to them before
+        saying goodbye, and runs nothing after); it is False when the worker vanished, in which case every
+        call still waiting on it, or whose success depends on ranks that do not reply, fails."""
         key = (replica, rank)
         failed: list[_Pending] = []
         events: list[MembershipEvent] = []
@@ -396,7 +400,13 @@ class RemoteExecutor(Executor):
             events.append(MembershipEvent("left", replica, rank, reason, self._serving))
             events.extend(self._recompute_serving(replica, f"rank {rank} left: {reason}"))
             for call_id, p in list(self._pending.items()):
-                if replica in p.targets:
+                if replica not in p.targets:
+                    continue
+                if last_call is False:
+                    lost = key in p.expected or p.unique_reply_rank not in (None, rank)
+                else:
+                    lost = last_call is None or call_id > last_call
+                if lost:
                     failed.append(p)
                     del self._pending[call_id]
         for p in failed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ class CausalLM:
             AutoTokenizer.from_pretrained(root, local_files_only=True) if has_tokenizer else None
         )
         self.eos_token_id: int | None = self.model.config.eos_token_id
+        # transformers 5 renamed the KV cache argument and output field from past_key_values to cache.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
 
     def _prompt_ids(self, batch: dict[str, Any]) -> list[list[int]]:
         if "input_ids" in batch:
@@ -68,8 +72,8 @@ class CausalLM:
         past = None
         generated: list[int] = []
         for _ in range(max_tokens):
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_name: past})
+            past = out[self._cache_name]
             logits = out.logits[0, -1].float()
             if generator is None:
                 token = int(torch.argmax(logits))

@@ -1,0 +1,289 @@
+"""Worker RPC benchmark: collective_rpc round trips beside raw pyzmq, all measured in one run.
+
+For each executor (UniProc; Multiproc over ipc; Cluster over tcp with CURVE on and off), 1 and 4 workers, and
+64 B / 1 MiB / 16 MiB tensor payloads, it times ``collective_rpc("echo", (tensor,))`` and, right beside it, a
+raw pyzmq ROUTER -> DEALER echo of the same bytes over the same transport (same CURVE setting) to as many
+echo processes. Timings alternate between the two in rounds, so load on the machine hits both alike; the
+table shows medians and the ratio iwg / raw. It also times a proxied call through `WorkerWrapperBase`
+against the same direct call on the worker.
+
+Run: ``python -m bench.rpc`` (about 2-3 minutes on 2 cores, most of it starting 12 worker processes).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from iwg_worker.executor.base import Executor
+from iwg_worker.executor.cluster import ClusterExecutor
+from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker, worker_env
+from iwg_worker.executor.uniproc import UniProcExecutor
+from iwg_worker.security import CurveKeys, ZapAuthenticator, make_server
+from iwg_worker.torch_worker import TorchWorker
+from iwg_worker.worker_base import WorkerConfig
+from iwg_worker.worker_wrapper import WorkerWrapperBase
+
+SIZES = {"64 B": 64, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
+ITERATIONS = {"64 B": 400, "1 MiB": 60, "16 MiB": 12}
+ROUNDS = 4
+REPLICAS = 4  # groups of 4 one-rank replicas: replica=0 is "1 worker", replica=None is "4 workers"
+
+
+# -- raw pyzmq baseline -------------------------------------------------------------------------------------
+
+
+class RawGroup:
+    def __init__(self, endpoint: str, workers: int, keys: CurveKeys | None, curve_dir: str | None) -> None:
+        self.context = zmq.Context()
+        self.zap = None
+        if keys is not None:
+            self.zap = ZapAuthenticator(self.context, keys.public)
+        self.router = self.context.socket(zmq.ROUTER)
+        if keys is not None:
+            make_server(self.router, keys)
+        self.router.bind(endpoint)
+        self.endpoint = self.router.get_string(zmq.LAST_ENDPOINT)
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "bench.zmq_echo", self.endpoint, curve_dir or ""])
+            for _ in range(workers)
+        ]
+        self.ids = [self.router.recv_multipart()[0] for _ in range(workers)]
+
+    def round_trip(self, payload: Any, workers: int) -> None:
+        for identity in self.ids[:workers]:
+            self.router.send_multipart([identity, payload], copy=False)
+        for _ in range(workers):
+            self.router.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        for identity in self.ids:
+            self.router.send_multipart([identity, b"stop"])
+        for proc in self.procs:
+            proc.wait(timeout=10)
+        self.router.close(linger=0)
+        if self.zap is not None:
+            self.zap.stop()
+        self.context.term()
+
+
+# -- measurement -------------------------------------------------------------------------------------------
+
+
+def _samples(fn: Callable[[], None], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def compare(iwg: Callable[[], None], raw: Callable[[], None], n: int) -> tuple[float, float]:
+    """Median seconds of each, measured in alternating rounds after a warm-up."""
+    for fn in (iwg, raw):
+        _samples(fn, max(2, n // 10))
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(ROUNDS):
+        a += _samples(iwg, max(1, n // ROUNDS))
+        b += _samples(raw, max(1, n // ROUNDS))
+    return statistics.median(a), statistics.median(b)
+
+
+@dataclass
+class Row:
+    executor: str
+    transport: str
+    workers: int
+    payload: str
+    iwg_s: float
+    raw_s: float
+
+    def cells(self) -> list[str]:
+        size = SIZES[self.payload] * self.workers * 2  # bytes moved per round trip, both ways
+        return [
+            self.executor,
+            self.transport,
+            str(self.workers),
+            self.payload,
+            f"{self.iwg_s * 1e6:,.0f}",
+            f"{self.raw_s * 1e6:,.0f}",
+            f"{self.iwg_s / self.raw_s:.2f}x",
+            f"{size / self.iwg_s / 1e6:,.0f}",
+            f"{size / self.raw_s / 1e6:,.0f}",
+        ]
+
+
+HEADER = [
+    "executor",
+    "transport",
+    "workers",
+    "payload",
+    "iwg µs",
+    "raw µs",
+    "iwg/raw",
+    "iwg MB/s",
+    "raw MB/s",
+]
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def measure_executor(
+    name: str, transport: str, executor: Executor, raw: RawGroup, worker_counts: tuple[int, ...]
+) -> list[Row]:
+    rows = []
+    for workers in worker_counts:
+        replica = 0 if workers == 1 else None
+        for label, size in SIZES.items():
+            tensor = torch.zeros(size, dtype=torch.uint8)
+            payload = tensor.numpy()
+
+            def iwg(tensor: torch.Tensor = tensor, replica: int | None = replica) -> None:
+                executor.collective_rpc("echo", (tensor,), replica=replica, timeout=60)
+
+            def baseline(payload: Any = payload, workers: int = workers) -> None:
+                raw.round_trip(payload, workers)
+
+            iwg_s, raw_s = compare(iwg, baseline, ITERATIONS[label])
+            rows.append(Row(name, transport, workers, label, iwg_s, raw_s))
+            print("  ", " | ".join(rows[-1].cells()), flush=True)
+    return rows
+
+
+class NoopWorker(TorchWorker):
+    def noop(self, x: int) -> int:
+        return x
+
+
+def proxied_vs_direct() -> list[list[str]]:
+    wrapper = WorkerWrapperBase(rpc_rank=0)
+    wrapper.init_worker([{"worker_cls": NoopWorker, "config": WorkerConfig(device="cpu")}])
+    worker: Any = wrapper.require_worker()
+    proxy: Any = wrapper
+    proxy.noop(0)  # first access resolves and caches the bound method
+    n = 200_000
+    results = []
+    for _ in range(5):
+        direct = timeit.timeit(lambda: worker.noop(1), number=n) / n
+        proxied = timeit.timeit(lambda: proxy.noop(1), number=n) / n
+        by_name = timeit.timeit(lambda: wrapper.execute_method("noop", (1,), {}), number=n // 10) / (n // 10)
+        results.append((direct, proxied, by_name))
+    direct, proxied, by_name = (statistics.median(r[i] for r in results) for i in range(3))
+    return [
+        ["worker.noop(1) (direct)", f"{direct * 1e9:.0f}", "1.00x"],
+        [
+            "wrapper.noop(1) (proxied, __getattr__ + cached bound method)",
+            f"{proxied * 1e9:.0f}",
+            f"{proxied / direct:.2f}x",
+        ],
+        [
+            "wrapper.execute_method('noop') (dispatch by name + timing)",
+            f"{by_name * 1e9:.0f}",
+            f"{by_name / direct:.2f}x",
+        ],
+    ]
+
+
+def _cluster_group(
+    root: Path, keys: CurveKeys | None, heartbeat: float
+) -> tuple[ClusterExecutor, list[subprocess.Popen[bytes]]]:
+    curve_dir = str(keys.save(root / "curve")) if keys is not None else None
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=REPLICAS,
+        keys=keys,
+        insecure=keys is None,
+        group="bench",
+        heartbeat_interval_s=heartbeat,
+    )
+    procs = []
+    for replica in range(REPLICAS):
+        config = WorkerConfig(task="none", device="cpu", group="bench", replica=replica)
+        env = worker_env(
+            config,
+            executor.rpc_endpoint,
+            executor.response_endpoint,
+            curve_dir=curve_dir,
+            insecure_tcp=keys is None,
+            heartbeat_interval_s=heartbeat,
+        )
+        procs.append(launch_worker(env, root / f"worker-{replica}.log"))
+    return executor, procs
+
+
+def main() -> None:
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="iwg-bench-"))
+    keys = CurveKeys.generate()
+    curve_dir = str(keys.save(root / "raw-curve"))
+    print(f"starting {3 * REPLICAS} worker processes and {3 * REPLICAS} raw echo processes ...", flush=True)
+    # Start everything first; the cluster groups' workers load while Multiproc waits for its own.
+    clusters = {
+        "tcp + CURVE": _cluster_group(root / "curve", keys, 2.0),
+        "tcp, no CURVE": _cluster_group(root / "plain", None, 2.0),
+    }
+    multiproc = MultiprocExecutor(WorkerConfig(task="none", device="cpu", group="bench"), replicas=REPLICAS)
+    for executor, _ in clusters.values():
+        executor.wait_until_serving(timeout=600)
+    raws = {
+        "ipc": RawGroup(f"ipc://{root}/raw", REPLICAS, None, None),
+        "tcp + CURVE": RawGroup("tcp://127.0.0.1:0", REPLICAS, keys, curve_dir),
+        "tcp, no CURVE": RawGroup("tcp://127.0.0.1:0", REPLICAS, None, None),
+    }
+    print(
+        f"started in {time.monotonic() - started:.0f} s; measuring (median of alternating rounds)", flush=True
+    )
+    uniproc = UniProcExecutor(WorkerConfig(task="none", device="cpu"))
+    rows: list[Row] = []
+    try:
+        rows += measure_executor("UniProc", "in-process (raw: ipc)", uniproc, raws["ipc"], (1,))
+        rows += measure_executor("Multiproc", "ipc", multiproc, raws["ipc"], (1, 4))
+        for transport, (executor, _) in clusters.items():
+            rows += measure_executor("Cluster", transport, executor, raws[transport], (1, 4))
+        proxy_rows = proxied_vs_direct()
+    finally:
+        uniproc.shutdown()
+        multiproc.shutdown()
+        for executor, procs in clusters.values():
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=30)
+            executor.shutdown()
+        for raw in raws.values():
+            raw.close()
+
+    print()
+    print(_table([r.cells() for r in rows], HEADER))
+    print()
+    print(_table(proxy_rows, ["call", "ns per call", "vs direct"]))
+    print()
+    small = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor != "UniProc"]
+    large = [r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor != "UniProc"]
+    print(
+        f"64 B overhead vs raw pyzmq: {min(small):.2f}x .. {max(small):.2f}x (target <= 1.3x); "
+        f"16 MiB bandwidth vs raw: {min(large):.2f} .. {max(large):.2f} (target >= 0.7)"
+    )
+    print(f"total {time.monotonic() - started:.0f} s on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Executors against real worker processes, real ZMQ (ipc and tcp+CURVE), real torch and MiniLM weights.
+
+Two groups are started once for the module: a Multiproc group (one replica of two ranks over ipc, joined by
+torch.distributed/gloo) and a Cluster group (two one-rank replicas over tcp with CURVE, launched as
+``iwg-worker`` processes from the wiring-contract environment, as pods would be). The test that kills a
+worker uses the cluster's replica 1; replica 0 keeps serving throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from iwg_worker import protocol
+from iwg_worker.distributed import unsharded_reference
+from iwg_worker.executor import MembershipEvent, ReplicaLostError, RPCError, RPCTimeoutError
+from iwg_worker.executor.cluster import ClusterExecutor
+from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker, worker_env
+from iwg_worker.executor.uniproc import UniProcExecutor
+from iwg_worker.security import CurveKeys
+from iwg_worker.worker_base import WorkerConfig
+
+from .conftest import SENTENCES
+
+EXT = "tests.iwg_worker.extensions.ProbeExtension"
+HEARTBEAT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def multiproc(minilm_path: str, cluster_launched: Cluster) -> Iterator[MultiprocExecutor]:
+    # Depends on cluster_launched only so that both groups start at once (startup is most of the time).
+    executor = MultiprocExecutor(
+        WorkerConfig(task="embed", model_path=minilm_path, device="cpu", group="mp"),
+        replicas=1,
+        world_size=2,
+        worker_extension_cls=EXT,
+        heartbeat_interval_s=HEARTBEAT_S,
+        startup_timeout_s=600,
+    )
+    yield executor
+    executor.shutdown()
+
+
+@dataclass
+class Cluster:
+    executor: ClusterExecutor
+    keys: CurveKeys
+    processes: dict[int, subprocess.Popen[bytes]]
+    logs: dict[int, Path]
+    events: list[MembershipEvent]
+
+
+@pytest.fixture(scope="module")
+def cluster_launched(minilm_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    keys = CurveKeys.generate()
+    curve_dir = keys.save(root / "curve")
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=2,
+        world_size=1,
+        keys=keys,
+        group="g",
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    events: list[MembershipEvent] = []
+    executor.subscribe(events.append)
+    processes, logs = {}, {}
+    for replica in range(2):
+        # Replica 0 serves MiniLM; replica 1 (killed by a test) serves RPC only, to start faster.
+        task = "embed" if replica == 0 else "none"
+        config = WorkerConfig(task=task, model_path=minilm_path, device="cpu", group="g", replica=replica)
+        env = worker_env(
+            config,
+            executor.rpc_endpoint,
+            executor.response_endpoint,
+            curve_dir=str(curve_dir),
+            worker_extension_cls=EXT,
+            heartbeat_interval_s=HEARTBEAT_S,
+        )
+        logs[replica] = root / f"worker-{replica}.log"
+        processes[replica] = launch_worker(env, logs[replica])
+    try:
+        yield Cluster(executor, keys, processes, logs, events)
+    finally:
+        for proc in processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in processes.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_launched: Cluster) -> Cluster:
+    cluster_launched.executor.wait_until_serving(timeout=600)
+    return cluster_launched
+
+
+# -- the same batch, three ways --------------------------------------------------------------------------
+
+
+def test_same_batch_same_output_through_uniproc_multiproc_and_cluster(
+    minilm_path: str, multiproc: MultiprocExecutor, cluster: Cluster
+) -> None:
+    batch = {"inputs": SENTENCES}
+    uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cpu"))
+    try:
+        local = uniproc.execute_model(batch)["embeddings"]
+    finally:
+        uniproc.shutdown()
+    through_multiproc = multiproc.execute_model(batch)["embeddings"]
+    through_cluster = cluster.executor.execute_model(batch, replica=0)["embeddings"]
+    assert local.shape == (len(SENTENCES), 384)
+    assert torch.equal(local, through_multiproc)
+    assert torch.equal(local, through_cluster)
+
+
+def test_tensor_parallel_reference_equals_unsharded(multiproc: MultiprocExecutor) -> None:
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    per_rank = multiproc.collective_rpc("tp_reference", (x,), {"seed": 5, "hidden": 16}, timeout=60)
+    expected = unsharded_reference(x, seed=5, hidden=16)
+    assert len(per_rank) == 2
+    for result in per_rank:
+        assert torch.allclose(result, expected, rtol=1e-12, atol=1e-12)
+    # The halves alone differ from the whole: the all-reduce did the work.
+    assert [r["distributed"] for r in multiproc.check_health()] == ["gloo", "gloo"]
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def test_exception_in_execute_model_carries_the_worker_traceback_and_next_call_succeeds(
+    multiproc: MultiprocExecutor,
+) -> None:
+    with pytest.raises(RPCError) as info:
+        multiproc.execute_model({"inputs": 5}, timeout=30)
+    error = info.value
+    assert error.method == "execute_model" and error.remote_type == "TypeError"
+    assert "'inputs'" in error.remote_message
+    assert "Traceback" in error.remote_traceback and "embed.py" in error.remote_traceback
+    assert "worker traceback" in str(error)
+    assert multiproc.execute_model({"inputs": ["still serving"]}, timeout=30)["embeddings"].shape == (1, 384)
+
+
+def test_unknown_method_error_names_it(multiproc: MultiprocExecutor) -> None:
+    with pytest.raises(RPCError, match="unknown method 'launch_missiles'"):
+        multiproc.collective_rpc("launch_missiles", timeout=30)
+
+
+def test_timeout_names_the_method_and_the_silent_ranks(multiproc: MultiprocExecutor) -> None:
+    started = time.monotonic()
+    with pytest.raises(RPCTimeoutError) as info:
+        multiproc.collective_rpc("sleep", (1.5,), timeout=0.3)
+    assert time.monotonic() - started < 1.2
+    assert info.value.method == "sleep" and info.value.missing == [(0, 0), (0, 1)]
+    assert "'sleep' timed out" in str(info.value) and "ranks [0, 1]" in str(info.value)
+    assert multiproc.collective_rpc("echo", ("after",), timeout=30) == [["after"], ["after"]]
+
+
+def test_worker_extension_from_env_and_unique_reply_rank(multiproc: MultiprocExecutor) -> None:
+    assert multiproc.collective_rpc("env_value", ("IWG_RANK",), timeout=30) == ["0", "1"]
+    assert multiproc.collective_rpc("env_value", ("IWG_RANK",), timeout=30, unique_reply_rank=1) == "1"
+
+
+# -- cluster membership, concurrency, security ----------------------------------------------------------
+
+
+def test_cluster_membership_and_concurrent_per_replica_calls(cluster: Cluster) -> None:
+    executor = cluster.executor
+    assert executor.serving_replicas() == {0, 1}
+    assert sorted((m.replica, m.rank) for m in executor.members()) == [(0, 0), (1, 0)]
+    assert {e.replica for e in cluster.events if e.kind == "serving"} >= {0, 1}
+
+    async def both() -> list[object]:
+        # Replica 1 sleeps; replica 0 answers meanwhile: per-replica calls do not wait for each other.
+        slow = asyncio.ensure_future(executor.collective_rpc_async("sleep", (1.0,), replica=1, timeout=30))
+        started = time.monotonic()
+        fast = await executor.collective_rpc_async("echo", (b"x",), replica=0, timeout=30)
+        fast_s = time.monotonic() - started
+        return [fast, fast_s, await slow]
+
+    fast, fast_s, slow = asyncio.run(both())
+    assert fast == [[b"x"]] and slow == [1.0]
+    assert isinstance(fast_s, float) and fast_s < 0.9
+
+
+def test_peer_without_the_group_key_is_refused(cluster: Cluster) -> None:
+    executor = cluster.executor
+    assert executor._zap is not None
+    refused_before = executor._zap.refused
+    members_before = {(m.replica, m.rank): m.routing_id for m in executor.members()}
+    context = zmq.Context()
+    rogue_key = CurveKeys.generate()
+    sockets = []
+    try:
+        for keys in (rogue_key, None):  # another CURVE key; no CURVE at all
+            dealer = context.socket(zmq.DEALER)
+            push = context.socket(zmq.PUSH)
+            dealer.routing_id = b"rogue"
+            for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
+                sock.linger = 0
+                if keys is not None:
+                    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+                    sock.curve_serverkey = cluster.keys.public
+                sock.connect(endpoint)
+                sockets.append(sock)
+            hello = protocol.Hello("hello", "g", 0, 0, 1, "rogue-pod", b"rogue", {})
+            push.send_multipart(protocol.encode_hello(hello), flags=zmq.NOBLOCK)
+            dealer.send_multipart([b"anything"], flags=zmq.NOBLOCK)
+        time.sleep(4 * HEARTBEAT_S)
+        assert {(m.replica, m.rank): m.routing_id for m in executor.members()} == members_before
+        assert not any(s.poll(0) for s in sockets if s.type == zmq.DEALER)
+        assert executor._zap.refused >= refused_before + 2
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+    assert executor.collective_rpc("echo", (1,), replica=0, timeout=30) == [[1]]
+
+
+def _send_raw(executor: ClusterExecutor, replica: int, frames: list[bytes]) -> None:
+    route = executor._routes[replica][0]
+    with executor._send_lock:
+        executor._rpc.send_multipart([route, *frames], flags=zmq.NOBLOCK)
+
+
+def _metric(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _health_port(executor: ClusterExecutor, replica: int) -> int:
+    (member,) = [m for m in executor.members() if m.replica == replica]
+    return int(member.capabilities["health_port"])
+
+
+def test_malformed_frames_to_a_worker_are_rejected_logged_and_it_keeps_serving(cluster: Cluster) -> None:
+    executor = cluster.executor
+    port = _health_port(executor, 0)
+    rejected_before = _metric(port, "iwg_worker_rejected_messages_total")
+    valid = [bytes(memoryview(f)) for f in protocol.encode_call(10**9, "echo", [torch.ones(4)])]
+    sent = []
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.one_of(
+            st.lists(st.binary(max_size=128), min_size=1, max_size=3),
+            st.sampled_from(
+                [[pickle.dumps({"kind": "call"})], [pickle.dumps(os.system)], [b"\x80\x04K\x01."]]
+            ),
+            st.tuples(st.integers(0, len(valid[0]) - 1), st.integers(0, 255)).map(
+                lambda m: [valid[0][: m[0]] + bytes([m[1]]) + valid[0][m[0] + 1 :], valid[1]]
+            ),
+        )
+    )
+    def inject(frames: list[bytes]) -> None:
+        _send_raw(executor, 0, frames)
+        sent.append(frames)
+
+    inject()
+    _send_raw(executor, 0, [pickle.dumps({"kind": "call", "method": "echo"})])
+    assert executor.collective_rpc("echo", ("alive",), replica=0, timeout=30) == [["alive"]]
+    assert cluster.processes[0].poll() is None
+    rejected = _metric(port, "iwg_worker_rejected_messages_total") - rejected_before
+    assert rejected >= 1 and rejected <= len(sent) + 1
+    # Most random inputs are junk; a few mutations stay valid calls, which the worker serves.
+    assert rejected >= 0.5 * len(sent)
+    assert "rejected a malformed message" in cluster.logs[0].read_text()
+
+
+def test_malformed_frames_to_the_driver_are_dropped(cluster: Cluster) -> None:
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.linger = 0
+    push.curve_secretkey, push.curve_publickey = cluster.keys.secret, cluster.keys.public
+    push.curve_serverkey = cluster.keys.public
+    push.connect(cluster.executor.response_endpoint)
+    try:
+        for frames in ([pickle.dumps(os.system)], [os.urandom(64)], [b"\x81\xa4kind\xa5reply"]):
+            push.send_multipart(frames)
+        time.sleep(0.3)
+        assert cluster.executor.serving_replicas() == {0, 1}
+        assert cluster.executor.collective_rpc("echo", (2,), replica=0, timeout=30) == [[2]]
+    finally:
+        push.close()
+        context.term()
+
+
+def test_health_endpoints(cluster: Cluster) -> None:
+    import json
+
+    port = _health_port(cluster.executor, 0)
+    healthz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read())
+    assert healthz["alive"] is True and healthz["worker"]["cpu"] is True
+    assert healthz["worker"]["model_loaded"] is True and healthz["driver_ping_age_s"] is not None
+    readyz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10).read())
+    assert readyz == {"ready": True, "model_loaded": True, "draining": False}
+    cluster.executor.collective_rpc("echo", (1,), replica=0, timeout=30)
+    assert _metric(port, "iwg_worker_requests_total") >= 1
+    assert _metric(port, "iwg_worker_device_memory_free_bytes") > 0
+    assert _metric(port, "iwg_worker_step_seconds_count") >= 1
+
+
+# -- losing workers (runs last: the killed replica does not come back) -----------------------------------------
+
+
+def test_killed_worker_fails_the_pending_call_within_the_heartbeat_timeout(cluster: Cluster) -> None:
+    executor = cluster.executor
+    pending = executor.collective_rpc_future("sleep", (30.0,), replica=1, timeout=60)
+    time.sleep(0.2)
+    killed_at = time.monotonic()
+    cluster.processes[1].kill()
+    with pytest.raises(ReplicaLostError) as info:
+        pending.result(timeout=executor.heartbeat_timeout_s + 5)
+    assert time.monotonic() - killed_at <= executor.heartbeat_timeout_s + 0.5
+    assert info.value.method == "sleep" and info.value.replica == 1 and info.value.ranks == [0]
+    assert "'sleep'" in str(info.value) and "replica 1" in str(info.value)
+    assert 1 not in executor.serving_replicas()
+    assert any(e.kind == "lost" and e.replica == 1 for e in cluster.events)
+    assert executor.collective_rpc("echo", ("others serve",), replica=0, timeout=30) == [["others serve"]]
+
+
+def test_sigterm_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
+    multiproc: MultiprocExecutor,
+) -> None:
+    events: list[MembershipEvent] = []
+    multiproc.subscribe(events.append)
+    in_flight = multiproc.collective_rpc_future("sleep", (1.0,), timeout=60)
+    time.sleep(0.3)
+    multiproc.shutdown()  # SIGTERM to every worker, then waits for them
+    assert in_flight.result(timeout=0) == [1.0, 1.0]
+    assert [wp.process.returncode for wp in multiproc.processes] == [0, 0]
+    assert sorted(e.rank for e in events if e.kind == "left" and e.reason.startswith("goodbye")) == [0, 1]

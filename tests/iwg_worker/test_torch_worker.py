@@ -1,0 +1,118 @@
+"""TorchWorker with real torch and real weights: MiniLM against sentence-transformers, a causal LM
+against transformers' own greedy decoding, the device chosen rather than assumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from iwg_worker.executor.uniproc import UniProcExecutor
+from iwg_worker.torch_worker import TorchWorker
+from iwg_worker.worker_base import WorkerConfig
+
+from .conftest import SENTENCES
+
+
+@pytest.fixture(scope="module")
+def embed_executor(minilm_path: str) -> UniProcExecutor:
+    executor = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cpu"))
+    yield executor  # type: ignore[misc]
+    executor.shutdown()
+
+
+def test_minilm_embeddings_match_sentence_transformers(
+    embed_executor: UniProcExecutor, minilm_path: str
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    oracle = SentenceTransformer(minilm_path, device="cpu")
+    expected = torch.from_numpy(oracle.encode(SENTENCES, convert_to_numpy=True))
+    got = embed_executor.execute_model({"inputs": SENTENCES})["embeddings"]
+    assert got.shape == expected.shape == (len(SENTENCES), 384)
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=1)
+    assert bool((cosine >= 0.9999).all()), cosine
+    assert torch.allclose(got.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-5)
+
+
+def test_cpu_worker_says_so_in_its_health_report(embed_executor: UniProcExecutor) -> None:
+    (report,) = embed_executor.check_health()
+    assert report["cpu"] is True and report["device"] == "cpu" and report["device_note"].startswith("CPU")
+    assert report["model_loaded"] is True and report["device_available"] is True
+    assert 0 < report["memory_free_bytes"] <= report["memory_total_bytes"]
+    assert report["last_step_s"] is not None  # the embedding test above ran a step
+
+
+def test_bad_batch_names_the_field(embed_executor: UniProcExecutor) -> None:
+    with pytest.raises(Exception, match="'inputs'"):
+        embed_executor.execute_model({"texts": ["a"]})
+
+
+def test_cuda_requested_without_cuda_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: this test covers the CPU-only case")
+    worker = TorchWorker(WorkerConfig(device="cuda"))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        worker.init_device()
+
+
+def test_auto_device_picks_what_is_there() -> None:
+    worker = TorchWorker(WorkerConfig(device="auto"))
+    worker.init_device()
+    assert worker.device is not None
+    assert worker.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_minilm_on_cuda_matches_cpu(minilm_path: str, embed_executor: UniProcExecutor) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("GPU path NOT exercised: no CUDA device on this machine")
+    gpu = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cuda", dtype="float32"))
+    try:
+        on_gpu = gpu.execute_model({"inputs": SENTENCES})["embeddings"]
+        on_cpu = embed_executor.execute_model({"inputs": SENTENCES})["embeddings"]
+        assert bool((torch.nn.functional.cosine_similarity(on_gpu, on_cpu, dim=1) >= 0.9999).all())
+        assert gpu.check_health()[0]["cpu"] is False
+    finally:
+        gpu.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=2, eos_token_id=96)
+    path = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_generate_greedy_matches_transformers(tiny_gpt2: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu"))
+    prompts = [[5, 17, 42], [1, 2]]
+    out = executor.execute_model({"input_ids": prompts, "max_tokens": 6})["token_ids"]
+    oracle = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval()
+    for prompt, tokens in zip(prompts, out, strict=True):
+        expected = oracle.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=96
+        )[0, len(prompt) :].tolist()
+        assert tokens == expected
+        assert 1 <= len(tokens) <= 6
+    executor.shutdown()
+
+
+def test_generate_sampling_is_seeded_and_bounded(tiny_gpt2: Path) -> None:
+    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu"))
+    batch = {"input_ids": [[3, 4, 5]], "max_tokens": 12, "temperature": 5.0}
+    first = executor.execute_model({**batch, "seed": 7})["token_ids"]
+    again = executor.execute_model({**batch, "seed": 7})["token_ids"]
+    others = [executor.execute_model({**batch, "seed": s})["token_ids"] for s in (8, 9, 10)]
+    assert first == again
+    assert any(o != first for o in others)
+    assert all(len(seq) <= 12 for seq in first + [s for o in others for s in o])
+    assert len(executor.execute_model({**batch, "max_tokens": 2, "seed": 1})["token_ids"][0]) <= 2
+    with pytest.raises(Exception, match="'max_tokens'"):
+        executor.execute_model({**batch, "max_tokens": 0})
+    executor.shutdown()
