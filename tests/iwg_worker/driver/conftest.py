@@ -60,7 +60,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
     return proc.wait()
 
 
-def test_env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     # Two cores shared by every process of a test: one torch thread each keeps them from thrashing.
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -96,7 +96,7 @@ def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 str(token_file),
             ],
             cwd=ROOT,
-            env={**test_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
+            env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -64,6 +64,11 @@ def test_single_string_input_and_models_list(served_minilm: Served, reference: n
     response = api.embeddings.create(model=MODEL, input=SENTENCES[1])
     assert len(response.data) == 1
     assert float(np.dot(response.data[0].embedding, reference[1])) >= 0.9999
+    # usage counts the tokens the model saw, as the model's own tokenizer counts them.
+    from transformers import AutoTokenizer
+
+    tokens = len(AutoTokenizer.from_pretrained(minilm_path())(SENTENCES[1])["input_ids"])
+    assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
 
 
 def post(
