@@ -12,6 +12,7 @@ from iwg_worker.driver.pool import (
     Batch,
     BatchFailure,
     EmbedResult,
+    GenerateResult,
     ItemResult,
     MembershipEvent,
     MembershipListener,
@@ -66,6 +67,16 @@ class FakePool:
         if rep.error_next:
             rep.error_next -= 1
             raise BatchFailure("ValueError: boom")
+        if batch.task == "generate":
+            assert batch.params is not None
+            # "Generates" the prompt reversed, cut to max_tokens characters (one token per character).
+            texts = [str(x)[::-1][: batch.params.max_tokens] for x in batch.inputs]
+            return [
+                GenerateResult(
+                    t, len(str(x)), len(t), "length" if len(t) == batch.params.max_tokens else "stop"
+                )
+                for x, t in zip(batch.inputs, texts, strict=True)
+            ]
         return [EmbedResult(np.array([len(str(x)), replica], dtype=np.float32), 1) for x in batch.inputs]
 
     async def collective_rpc(

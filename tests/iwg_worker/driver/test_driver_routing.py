@@ -278,3 +278,36 @@ async def test_metrics_expose_queue_inflight_latency_and_batch_sizes() -> None:
         'iwg_requests_total{endpoint="embeddings",status="200"} 5.0',
     ):
         assert name in text, name
+
+
+async def test_completions_batch_by_sampling_parameters_and_apply_stop_sequences() -> None:
+    pool = FakePool(replicas=1, delay_s=0.05)
+    async with serve(pool, task="generate", max_wait_ms=30) as (client, _driver):
+
+        async def complete(**body: Any) -> tuple[int, dict[str, Any]]:
+            resp = await client.post("/v1/completions", json={"model": "minilm", **body})
+            return resp.status, await resp.json()
+
+        (s1, short), (s2, long), (s3, stopped) = await asyncio.gather(
+            complete(prompt="abcdef", max_tokens=3),
+            complete(prompt=["hello", "world"], max_tokens=10),
+            complete(prompt="xyz-stop-abc", max_tokens=20, stop=["pots"]),
+        )
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert short["choices"] == [{"text": "fed", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert [c["text"] for c in long["choices"]] == ["olleh", "dlrow"]
+    assert [c["finish_reason"] for c in long["choices"]] == ["stop", "stop"]
+    assert long["usage"] == {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}
+    assert stopped["choices"][0]["text"] == "cba-" and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["object"] == "text_completion" and stopped["id"].startswith("cmpl-")
+    # Requests with different sampling parameters never share a batch.
+    params = [b.params for b in pool.replicas[0].batches]
+    assert all(p is not None for p in params)
+    by_max_tokens = {p.max_tokens for p in params if p is not None}
+    assert by_max_tokens == {3, 10, 20} and len(pool.replicas[0].batches) == 3
+
+
+async def test_embeddings_on_a_generate_group_is_a_400() -> None:
+    async with serve(FakePool(), task="generate") as (client, _driver):
+        status, body, _ = await embed(client, "x")
+    assert status == 400 and "/v1/completions" in body["error"]["message"]
