@@ -22,6 +22,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed: the RayExecutor needs the 'ray' extra")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from iwg_worker import distributed  # noqa: E402
 from iwg_worker.executor.base import (  # noqa: E402
@@ -131,6 +132,29 @@ def test_replica_ranks_share_a_placement_group_and_a_process_group(rpc_pair: Ray
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     sharded = rpc_pair.collective_rpc("tp_reference", (x, 11, 16), unique_reply_rank=0)
     torch.testing.assert_close(sharded, distributed.unsharded_reference(x, 11, 16))
+
+
+def test_tensors_and_arrays_keep_their_kind_dtype_and_values(rpc_pair: RayExecutor) -> None:
+    sent = [
+        torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+        torch.zeros(0, 5, dtype=torch.int64),
+        {
+            "half": torch.full((2,), 0.5, dtype=torch.float16),
+            "array": np.arange(6, dtype=np.int32).reshape(2, 3),
+        },
+        torch.arange(8, dtype=torch.float32)[::2],  # not contiguous
+    ]
+    back = rpc_pair.collective_rpc("echo", tuple(sent), unique_reply_rank=1)
+    for got, want in (
+        (back[0], sent[0]),
+        (back[1], sent[1]),
+        (back[2]["half"], sent[2]["half"]),
+        (back[3], sent[3]),
+    ):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    assert isinstance(back[2]["array"], np.ndarray) and back[2]["array"].dtype == np.int32
+    np.testing.assert_array_equal(back[2]["array"], sent[2]["array"])
 
 
 def test_unknown_method_timeout_and_plain_data(rpc_pair: RayExecutor) -> None:

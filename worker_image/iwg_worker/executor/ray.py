@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -76,42 +77,76 @@ def _is_torch_tensor(value: Any) -> bool:
     return kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")
 
 
-def require_plain(value: Any, where: str) -> int:
-    """Raise `TypeError` naming ``where`` (a path like ``args[0]['x']``) unless ``value`` is plain data.
+@dataclass(frozen=True, slots=True)
+class TensorBytes:
+    """A torch tensor on its way through Ray: its bytes as a flat uint8 numpy array, which Ray ships without
+    a copy (a torch tensor itself would go through torch's own pickling, six times slower at 16 MiB), plus
+    the dtype and shape to rebuild it. The ZMQ protocol sends tensors the same way, as raw frames."""
 
-    Returns the bytes held in its buffers (bytes, arrays, tensors), which decides how it is shipped.
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def to_ray(value: Any, where: str) -> tuple[Any, int]:
+    """Check that ``value`` is plain data and ready it for Ray: torch tensors become `TensorBytes`.
+
+    Returns the converted value and the bytes its buffers hold. A `TypeError` names what is not plain data
+    and where it was (a path like ``args[0]['x']``).
     """
-    size = 0
-    stack: list[tuple[Any, str]] = [(value, where)]
-    while stack:
-        item, path = stack.pop()
-        if item is None or isinstance(item, bool | int | float | str | np.generic):
-            continue
-        if isinstance(item, bytes):
-            size += len(item)
-        elif isinstance(item, np.ndarray):
-            if item.dtype.hasobject:
-                raise TypeError(
-                    f"{path} is a numpy array of Python objects: only numeric arrays cross to a worker"
-                )
-            size += item.nbytes
-        elif isinstance(item, list | tuple):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
-        elif isinstance(item, dict):
-            for key, v in item.items():
-                if not isinstance(key, str):
-                    raise TypeError(
-                        f"{path} has a key {key!r} of type {type(key).__name__}: keys must be str"
-                    )
-                stack.append((v, f"{path}[{key!r}]"))
-        elif _is_torch_tensor(item):
-            size += item.numel() * item.element_size()
-        else:
+    if value is None or isinstance(value, bool | int | float | str | np.generic):
+        return value, 0
+    if isinstance(value, bytes):
+        return value, len(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
             raise TypeError(
-                f"{path} is a {type(item).__qualname__}: only plain data (None, bool, int, float, str, bytes, "
-                f"lists, dicts with str keys, numpy arrays, torch tensors) crosses to a worker"
+                f"{where} is a numpy array of Python objects: only numeric arrays cross to a worker"
             )
-    return size
+        return value, value.nbytes
+    if isinstance(value, list | tuple):
+        items = [to_ray(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [v for v, _ in items], sum(n for _, n in items)
+    if isinstance(value, dict):
+        out = {}
+        size = 0
+        for key, v in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}: keys must be str")
+            out[key], n = to_ray(v, f"{where}[{key!r}]")
+            size += n
+        return out, size
+    if _is_torch_tensor(value):
+        import torch
+
+        tensor = value.detach().cpu().contiguous()
+        flat = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+        packed = TensorBytes(flat, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        return packed, flat.nbytes
+    raise TypeError(
+        f"{where} is a {type(value).__qualname__}: only plain data (None, bool, int, float, str, bytes, lists, "
+        f"dicts with str keys, numpy arrays, torch tensors) crosses to a worker"
+    )
+
+
+def from_ray(value: Any) -> Any:
+    """Undo `to_ray`: `TensorBytes` become torch tensors sharing the received (read-only) memory."""
+    if isinstance(value, TensorBytes):
+        import torch
+
+        dtype = getattr(torch, value.dtype)
+        if not value.data.size:
+            return torch.empty(value.shape, dtype=dtype)
+        # Workers never write into their inputs; the tensor shares Ray's buffer instead of copying it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(value.data, dtype=torch.uint8)
+        return flat.view(dtype).reshape(value.shape)
+    if isinstance(value, list):
+        return [from_ray(v) for v in value]
+    if isinstance(value, dict):
+        return {k: from_ray(v) for k, v in value.items()}
+    return value
 
 
 # ------------------------------------------------------------------------------------------- the actor
@@ -162,11 +197,8 @@ class RayWorkerWrapper(WorkerWrapperBase):
             message = f"call {method!r} reached rank {self.rpc_rank} after its deadline"
             return {"ok": False, "error": {"type": "DeadlineExceeded", "message": message, "traceback": ""}}
         try:
-            result = self.execute_method(method, args, kwargs)
-            if reply:
-                require_plain(result, f"result of {method!r}")
-            else:
-                result = None
+            result = self.execute_method(method, from_ray(args), from_ray(kwargs))
+            result = to_ray(result, f"result of {method!r}")[0] if reply else None
         except Exception as exc:
             log.exception("call %r failed on rank %d", method, self.rpc_rank)
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
@@ -471,9 +503,9 @@ class RayExecutor(Executor):
             raise TypeError(f"method must be a method name (str), got {method!r}")
         targets = self._target_replicas(replica)
         self._check_reply_rank(unique_reply_rank)
-        call_args = list(args)
-        call_kwargs = dict(kwargs or {})
-        payload_bytes = require_plain(call_args, "args") + require_plain(call_kwargs, "kwargs")
+        call_args, args_bytes = to_ray(list(args), "args")
+        call_kwargs, kwargs_bytes = to_ray(dict(kwargs or {}), "kwargs")
+        payload_bytes = args_bytes + kwargs_bytes
         future: Future[Any] = Future()
         reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
         pending = _Pending(
@@ -532,10 +564,11 @@ class RayExecutor(Executor):
             return
         if key not in pending.expected:
             return
+        result = from_ray(reply["result"])
         with self._lock:
             if pending.future.done():
                 return
-            pending.results[key] = reply["result"]
+            pending.results[key] = result
             pending.expected.discard(key)
             complete = not pending.expected
             if complete:
