@@ -54,8 +54,11 @@ class ExecutorPool:
     # -- membership --------------------------------------------------------------------------------------------
 
     def states(self) -> dict[int, ReplicaState]:
+        """Replicas that have been seen (joined at least one rank); an index no worker ever claimed is not
+        listed, so IWG_REPLICAS can be an upper bound (room to scale up) without phantom dead replicas."""
         serving = self.executor.serving_replicas()
-        return {r: self._state(r, serving) for r in range(self.executor.replicas)}
+        seen = set(serving) | set(self._joined)
+        return {r: self._state(r, serving) for r in sorted(seen)}
 
     def _state(self, replica: int, serving: frozenset[int]) -> ReplicaState:
         if replica in serving:
