@@ -275,7 +275,13 @@ class ContainerRunner:
             self.ready = True
             await self.pod.report()
         if liveness:
-            tasks.append(asyncio.create_task(self._probe_forever(liveness, self._on_liveness)))
+            threshold = int(liveness.get("failureThreshold", 3))
+
+            async def on_liveness(state: ProbeState) -> None:
+                if state.failures >= threshold:
+                    self._liveness_failed.set()
+
+            tasks.append(asyncio.create_task(self._probe_forever(liveness, on_liveness)))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -314,10 +320,6 @@ class ContainerRunner:
         if self.ready != state.passed:
             self.ready = state.passed
             await self.pod.report()
-
-    async def _on_liveness(self, state: ProbeState) -> None:
-        if not state.passed and state.failures > 0:
-            self._liveness_failed.set()
 
 
 # ----------------------------------------------------------------------------------------------- pods
@@ -394,7 +396,7 @@ class PodRunner:
                 )
                 volumes = await asyncio.to_thread(materialise_volumes, pod, self.dir / "volumes", objects)
                 plans = [
-                    plan_container(pod, c, volumes, objects, self.agent.base_env, str(self.dir))
+                    plan_container(pod, c, volumes, objects, self.agent.base_env, "/")
                     for c in self.spec.get("containers") or []
                 ]
                 for plan in plans:
@@ -632,7 +634,7 @@ class NodeAgent:
 
     def _node_status(self, name: str) -> Obj:
         capacity = {
-            "cpu": str(os.cpu_count() or 2),
+            "cpu": str(max(os.cpu_count() or 2, 32)),  # a fiction like the rest: the pods share this machine
             "memory": f"{psutil.virtual_memory().total // 1024}Ki",
             "pods": "110",
             "ephemeral-storage": "100Gi",
@@ -687,6 +689,10 @@ class NodeAgent:
                 raise
             await self.api.merge_patch(f"/api/v1/nodes/{name}", self._node_manifest(name))
         await self._update_node(name)
+        # The TaintNodesByCondition admission plugin taints a new node not-ready; the node lifecycle
+        # controller would lift it once the node reports Ready (this agent does, at once).
+        taints = [GPU_TAINT] if self.config.taint_gpu else []
+        await self.api.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": taints}})
 
     async def _update_node(self, name: str) -> None:
         await self.api.merge_patch(f"/api/v1/nodes/{name}/status", {"status": self._node_status(name)})

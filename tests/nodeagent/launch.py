@@ -40,7 +40,7 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
     )
 
 
-def apply_mount(mount: dict[str, object]) -> None:
+def apply_mount(mount: dict[str, object], source_fds: dict[str, int]) -> None:
     source, target = str(mount["source"]), str(mount["target"])
     if mount.get("tmpfs_size"):
         Path(target).mkdir(parents=True, exist_ok=True)
@@ -51,17 +51,26 @@ def apply_mount(mount: dict[str, object]) -> None:
     elif not Path(target).exists():
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         Path(target).touch()
-    _mount(source, target, None, MS_BIND | MS_REC, None)
+    # Through a descriptor opened before any mount: an earlier mount (an emptyDir on /tmp) may hide the path.
+    handle = f"/proc/self/fd/{source_fds[source]}"
+    _mount(handle, target, None, MS_BIND | MS_REC, None)
     if mount.get("read_only"):
-        _mount(source, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+        _mount(handle, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
 
 
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     _check(_libc.unshare(CLONE_NEWUTS), "unshare(CLONE_NEWUTS)")
     socket.sethostname(plan["hostname"])
+    source_fds = {
+        m["source"]: os.open(m["source"], os.O_PATH | os.O_CLOEXEC)
+        for m in plan["mounts"]
+        if not m.get("tmpfs_size")
+    }
     for mount in plan["mounts"]:
-        apply_mount(mount)
+        apply_mount(mount, source_fds)
+    for fd in source_fds.values():
+        os.close(fd)
     os.chdir(plan["working_dir"])
     argv = plan["argv"]
     os.execvpe(argv[0], argv, plan["env"])

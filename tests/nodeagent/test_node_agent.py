@@ -106,6 +106,8 @@ def inspector_pod(name: str, node: str | None = None, **spec_extra: Any) -> dict
                 "ports": [{"name": "http", "containerPort": 8080}],
                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
                 "volumeMounts": [
+                    # first: it hides the host's /tmp, where the agent keeps the other volumes' files
+                    {"name": "tmp", "mountPath": "/tmp"},
                     {"name": "creds", "mountPath": "/etc/iwg-nodeagent-test/creds", "readOnly": True},
                     {"name": "shm", "mountPath": "/dev/shm"},
                 ],
@@ -117,6 +119,7 @@ def inspector_pod(name: str, node: str | None = None, **spec_extra: Any) -> dict
                 "secret": {"secretName": "creds", "items": [{"key": "token", "path": "token.txt"}]},
             },
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+            {"name": "tmp", "emptyDir": {}},
         ],
         **spec_extra,
     }
@@ -162,6 +165,7 @@ def test_nodes_are_registered_ready_with_gpus_and_not_kwok_managed(
         assert node.status.allocatable["nvidia.com/gpu"] == "8"
         assert node.metadata.labels["nvidia.com/gpu.product"]
         assert {c.type: c.status for c in node.status.conditions}["Ready"] == "True"
+        assert not node.spec.taints  # untainted: pods land here without tolerations
     lease_api = client.CoordinationV1Api(core.api_client)
     first = lease_api.read_namespaced_lease(node_agent.nodes[0], "kube-node-lease").spec.renew_time
     eventually(

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 from iwg_operator.api import wiring
+from iwg_operator.api.v1alpha1 import resolve_model_path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from iwg_worker import protocol
@@ -93,7 +94,9 @@ class WorkerProcConfig:
             raise ValueError(f"environment variable {wiring.HEARTBEAT_INTERVAL} must be a number") from None
         worker = WorkerConfig(
             task=env.get(wiring.MODEL_TASK) or "none",  # type: ignore[arg-type]  # validated by WorkerConfig
-            model_path=env.get(wiring.MODEL_PATH, ""),
+            model_path=str(resolve_model_path(raw_path))
+            if (raw_path := env.get(wiring.MODEL_PATH, ""))
+            else "",
             served_name=env.get(wiring.SERVED_NAME, ""),
             device=env.get(wiring.DEVICE) or "auto",  # type: ignore[arg-type]
             dtype=env.get(wiring.DTYPE) or "auto",  # type: ignore[arg-type]

@@ -192,13 +192,21 @@ class ModelSpec(ApiModel):
 
     def resolved_path(self) -> Path:
         """The model directory on this machine; `pkg:<module>/<subdir>` is looked up without importing it."""
-        if not self.path.startswith(PACKAGE_PATH_PREFIX):
-            return Path(self.path)
-        module, _, subdir = self.path[len(PACKAGE_PATH_PREFIX) :].partition("/")
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"spec.model.path: Python package {module!r} is not installed")
-        return Path(next(iter(spec.submodule_search_locations))) / subdir
+        return resolve_model_path(self.path)
+
+
+def resolve_model_path(path: str) -> Path:
+    """A model path as the worker finds it: `pkg:<module>/<subdir>` inside an installed package, else as is.
+
+    The operator passes spec.model.path unchanged (IWG_MODEL_PATH); the worker resolves it in its own image.
+    """
+    if not path.startswith(PACKAGE_PATH_PREFIX):
+        return Path(path)
+    module, _, subdir = path[len(PACKAGE_PATH_PREFIX) :].partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"spec.model.path: Python package {module!r} is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / subdir
 
 
 # --------------------------------------------------------------------------------------------------- worker

@@ -24,6 +24,13 @@ from iwg_operator.builders.common import (
 )
 
 
+def driver_replicas(group: Group) -> int:
+    autoscaling = group.spec.autoscaling
+    if autoscaling.enabled:
+        return max(group.spec.replicas, autoscaling.max_replicas)
+    return group.spec.replicas
+
+
 def driver_env(group: Group) -> list[Manifest]:
     spec = group.spec
     batching = spec.driver.batching
@@ -34,7 +41,9 @@ def driver_env(group: Group) -> list[Manifest]:
         field_env(wiring.NAMESPACE, "metadata.namespace"),
         field_env(wiring.POD_NAME, "metadata.name"),
         field_env(wiring.POD_IP, "status.podIP"),
-        {"name": wiring.REPLICAS, "value": str(spec.replicas)},
+        # The replicas the driver admits: with autoscaling the most it may reach, so that the autoscaler's
+        # changes of spec.replicas never change (and so restart) the driver.
+        {"name": wiring.REPLICAS, "value": str(driver_replicas(group))},
         {"name": wiring.WORLD_SIZE, "value": str(spec.world_size)},
         {"name": wiring.HTTP_PORT, "value": str(spec.driver.port)},
         {"name": wiring.RPC_ENDPOINT, "value": f"tcp://{bind}:{wiring.DEFAULT_RPC_PORT}"},

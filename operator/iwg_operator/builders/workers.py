@@ -34,6 +34,7 @@ HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 HEALTH_PORT_NAME = "health"
 # Model loading can take minutes; the startup probe holds liveness off until the worker first answers.
 STARTUP_PROBE_BUDGET_SECONDS = 900
+LIVENESS_LAG_PERIODS = 2
 
 
 def revision(group: Group, settings: BuildSettings) -> str:
@@ -151,7 +152,9 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
             "httpGet": {**http_get, "path": "/healthz"},
             "periodSeconds": health.period_seconds,
             "timeoutSeconds": health.timeout_seconds,
-            "failureThreshold": health.failure_threshold,
+            # Two periods behind the operator's prober, which replaces the pod (or its replica) at
+            # failureThreshold; an in-place restart by the kubelet is the fallback while no operator runs.
+            "failureThreshold": health.failure_threshold + LIVENESS_LAG_PERIODS,
         },
         "readinessProbe": {
             "httpGet": {**http_get, "path": "/readyz"},

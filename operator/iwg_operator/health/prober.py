@@ -88,7 +88,7 @@ class GroupProber:
         probed = []
         for pod in live:
             memory = self.pods.setdefault(pod.uid, PodHealth())
-            memory.rounds += 1
+            memory.rounds += pod.ready
             # Until its first healthy answer a ready pod is probed only every few rounds: simulated pods
             # and unreachable ones would otherwise cost a request each period for nothing.
             if memory.was_healthy or (pod.ready and memory.rounds % UNSUPERVISED_PROBE_EVERY == 1):
