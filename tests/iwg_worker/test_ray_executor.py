@@ -37,7 +37,7 @@ from iwg_worker.executor.uniproc import UniProcExecutor  # noqa: E402
 from iwg_worker.worker_base import WorkerConfig  # noqa: E402
 
 from tests.iwg_worker.driver.conftest import ROOT, free_port, stop, wait_http  # noqa: E402
-from tests.iwg_worker.driver.conftest import test_env as serve_env  # noqa: E402
+from tests.iwg_worker.driver.conftest import subprocess_env as serve_env  # noqa: E402
 
 SENTENCES = [
     "The operator keeps every worker healthy.",
@@ -121,6 +121,22 @@ def test_iwg_serve_with_the_ray_executor(tmp_path: Path, uniproc_embeddings: tor
     text = log.read_text(errors="replace")
     assert code == 0, text[-3000:]
     assert "RayExecutor: 1 replica(s) x 1 rank(s)" in text, text[-3000:]
+
+
+def test_a_worker_class_that_does_not_resolve_is_named_and_nothing_is_left_behind() -> None:
+    before = ray.available_resources().get("CPU", 0.0)
+    expected = (
+        r"^'init_worker' failed on replica 0 rank 0: ValueError: worker_cls 'no_such_module\.Worker' does"
+    )
+    with pytest.raises(RPCError, match=expected) as info:
+        RayExecutor(
+            WorkerConfig(task="none", device="cpu"), worker_cls="no_such_module.Worker", startup_timeout_s=120
+        )
+    assert "resolve_qualname" in info.value.remote_traceback
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0.0) == before, "the placement group and actor were released"
 
 
 def test_replica_ranks_share_a_placement_group_and_a_process_group(rpc_pair: RayExecutor) -> None:

@@ -180,15 +180,22 @@ class RayWorkerWrapper(WorkerWrapperBase):
             probe.bind(("", 0))
             return int(probe.getsockname()[1])
 
-    def init_worker_from_plain(self, all_kwargs: list[dict[str, Any]]) -> None:
+    def init_worker_from_plain(self, all_kwargs: list[dict[str, Any]]) -> dict[str, Any]:
         """`init_worker` with each rank's ``config`` given as a plain map (the fields of `WorkerConfig`)."""
-        built = []
-        for kwargs in all_kwargs:
-            kwargs = dict(kwargs)
-            if isinstance(kwargs.get("config"), dict):
-                kwargs["config"] = WorkerConfig(**kwargs["config"])
-            built.append(kwargs)
-        self.init_worker(built)
+
+        def build() -> None:
+            built = []
+            for kwargs in all_kwargs:
+                kwargs = dict(kwargs)
+                if isinstance(kwargs.get("config"), dict):
+                    kwargs["config"] = WorkerConfig(**kwargs["config"])
+                built.append(kwargs)
+            self.init_worker(built)
+
+        return self._reply("init_worker", build)
+
+    def set_environment(self, envs: list[Mapping[str, str]]) -> dict[str, Any]:
+        return self._reply("update_environment_variables", lambda: self.update_environment_variables(envs))
 
     def serve_call(
         self, method: str, args: list[Any], kwargs: dict[str, Any], reply: bool, deadline: float | None
@@ -196,14 +203,21 @@ class RayWorkerWrapper(WorkerWrapperBase):
         if deadline is not None and time.time() > deadline:
             message = f"call {method!r} reached rank {self.rpc_rank} after its deadline"
             return {"ok": False, "error": {"type": "DeadlineExceeded", "message": message, "traceback": ""}}
-        try:
+
+        def call() -> Any:
             result = self.execute_method(method, from_ray(args), from_ray(kwargs))
-            result = to_ray(result, f"result of {method!r}")[0] if reply else None
+            return to_ray(result, f"result of {method!r}")[0] if reply else None
+
+        return self._reply(method, call)
+
+    def _reply(self, what: str, fn: Callable[[], Any]) -> dict[str, Any]:
+        """Run ``fn``; its result or exception as a plain map (an exception object never crosses to Ray)."""
+        try:
+            return {"ok": True, "result": fn()}
         except Exception as exc:
-            log.exception("call %r failed on rank %d", method, self.rpc_rank)
+            log.exception("%r failed on rank %d", what, self.rpc_rank)
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
             return {"ok": False, "error": error}
-        return {"ok": True, "result": result}
 
     @ray.method(concurrency_group=WATCH_GROUP)
     def watch(self) -> str:
@@ -428,8 +442,8 @@ class RayExecutor(Executor):
                     env[wiring.TORCH_WORLD_SIZE] = str(self.world_size)
             for rank in range(self.world_size):
                 actor = self.ranks[(replica, rank)].actor
-                env_refs[(replica, rank)] = actor.update_environment_variables.remote(envs)
-        self._startup_step("environment", env_refs, deadline)
+                env_refs[(replica, rank)] = actor.set_environment.remote(envs)
+        self._startup_step("update_environment_variables", env_refs, deadline)
 
         init_refs = {}
         for replica in range(self.replicas):
@@ -450,10 +464,7 @@ class RayExecutor(Executor):
             refs = {
                 key: r.actor.serve_call.remote(phase, [], {}, True, None) for key, r in self.ranks.items()
             }
-            for key, reply in self._startup_step(phase, refs, deadline).items():
-                if not reply["ok"]:
-                    e = reply["error"]
-                    raise RPCError(phase, key[0], key[1], e["type"], e["message"], e["traceback"])
+            self._startup_step(phase, refs, deadline)
         for key, rank_info in self.ranks.items():
             watch = rank_info.actor.watch.remote()
             self._watches[key] = watch
@@ -469,7 +480,8 @@ class RayExecutor(Executor):
     def _startup_step(
         self, step: str, refs: dict[tuple[int, int], Any], deadline: float
     ) -> dict[tuple[int, int], Any]:
-        """Wait for one startup step on every rank; an error names the step and the ranks."""
+        """Wait for one startup step on every rank: the results, or an error naming the step and the ranks
+        (`RPCError` with the worker's traceback where the step raised)."""
         keys = list(refs)
         left = max(deadline - time.monotonic(), 0.0)
         _done, not_done = ray.wait([refs[k] for k in keys], num_returns=len(keys), timeout=left)
@@ -481,11 +493,20 @@ class RayExecutor(Executor):
         results = {}
         for key in keys:
             try:
-                results[key] = ray.get(refs[key])
+                reply = ray.get(refs[key])
             except ray.exceptions.RayError as exc:
+                cause = (
+                    _died_reason(self.ranks[key], exc)
+                    if key in self.ranks
+                    else f"{type(exc).__name__}: {exc}"
+                )
                 raise RuntimeError(
-                    f"RayExecutor startup step {step!r} failed on replica {key[0]} rank {key[1]}: {exc}"
+                    f"RayExecutor startup step {step!r} failed on replica {key[0]} rank {key[1]}: {cause}"
                 ) from exc
+            if isinstance(reply, dict) and reply.get("ok") is False:
+                e = reply["error"]
+                raise RPCError(step, key[0], key[1], e["type"], e["message"], e["traceback"])
+            results[key] = reply["result"] if isinstance(reply, dict) and "ok" in reply else reply
         return results
 
     # -- calls -----------------------------------------------------------------------------------------
