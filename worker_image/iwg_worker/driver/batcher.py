@@ -32,6 +32,7 @@ class BatchParams:
 class BatchKey:
     task: Task
     params: GenerateParams | None = None
+    token_ids: bool = False  # inputs are token ids, not text: a replica gets one kind per batch
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ class EmbeddingRequest(_Request):
 
 class CompletionRequest(_Request):
     model: StrictStr
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0

@@ -164,10 +164,7 @@ class Driver:
 
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
         self._check_model(req.model, "generate", "/v1/completions")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        self._check_count(prompts, "prompt")
-        for i, prompt in enumerate(prompts):
-            self._check_text(prompt, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+        prompts = self._prompts(req.prompt)
         if req.max_tokens > self.config.max_completion_tokens:
             raise ApiError(
                 400,
@@ -181,7 +178,8 @@ class Driver:
                 400, "stop sequences must not be empty strings.", param="stop", code="invalid_value"
             )
         params = GenerateParams(req.max_tokens, req.temperature, req.top_p, req.seed)
-        results = await self._run(list(prompts), BatchKey("generate", params))
+        token_ids = not isinstance(prompts[0], str)
+        results = await self._run(prompts, BatchKey("generate", params, token_ids))
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
         for index, result in enumerate(results):
@@ -306,8 +304,36 @@ class Driver:
                 out.append(self._token_ids(x, f"input[{i}]"))
         return out
 
-    def _token_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
-        if not self.config.accepts_token_ids:
+    def _prompts(self, raw: str | list[str] | list[int] | list[list[int]]) -> list[str | tuple[int, ...]]:
+        """Text prompts, or token-id prompts (a generate worker takes either; a request holds one kind)."""
+        if isinstance(raw, str):
+            self._check_text(raw, "prompt")
+            return [raw]
+        if not raw:
+            raise ApiError(400, "'prompt' must not be an empty array.", param="prompt", code="invalid_value")
+        if all(isinstance(x, int) for x in raw):
+            return [self._token_ids(raw, "prompt", accepted=True)]  # type: ignore[arg-type]
+        self._check_count(raw, "prompt")
+        kinds = {isinstance(x, str) for x in raw}
+        if len(kinds) > 1:
+            raise ApiError(
+                400,
+                "'prompt' mixes strings and token-id arrays; send one kind.",
+                param="prompt",
+                code="invalid_value",
+            )
+        out: list[str | tuple[int, ...]] = []
+        for i, x in enumerate(raw):
+            if isinstance(x, str):
+                self._check_text(x, f"prompt[{i}]")
+                out.append(x)
+            else:
+                assert isinstance(x, list)
+                out.append(self._token_ids(x, f"prompt[{i}]", accepted=True))
+        return out
+
+    def _token_ids(self, ids: list[int], param: str, accepted: bool = False) -> tuple[int, ...]:
+        if not (accepted or self.config.accepts_token_ids):
             raise ApiError(
                 400,
                 f"'{param}' holds token ids; this server accepts text only. Send strings.",

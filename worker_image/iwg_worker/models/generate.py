@@ -54,13 +54,14 @@ class CausalLM:
             raise ValueError(f"batch field 'temperature' must be >= 0, got {temperature}")
         seed = batch.get("seed")
         outputs = []
-        for index, prompt in enumerate(self._prompt_ids(batch)):
+        prompts = self._prompt_ids(batch)
+        for index, prompt in enumerate(prompts):
             generator = None
             if temperature > 0:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(int(seed) + index if seed is not None else torch.seed())
             outputs.append(self._decode_one(prompt, max_tokens, temperature, generator))
-        result: dict[str, Any] = {"token_ids": outputs}
+        result: dict[str, Any] = {"token_ids": outputs, "prompt_tokens": [len(p) for p in prompts]}
         if self.tokenizer is not None:
             result["text"] = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
         return result

@@ -1,0 +1,119 @@
+"""/v1/completions end to end through the driver onto a real generate worker (UniProcExecutor in this
+process, a small randomly initialised GPT-2 with a word-level tokenizer), checked against greedy decoding
+with transformers directly."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+from iwg_worker.driver.app import build_app
+from iwg_worker.driver.executor_pool import ExecutorPool
+from iwg_worker.driver.service import Driver, DriverConfig
+from iwg_worker.executor.uniproc import UniProcExecutor
+from iwg_worker.worker_base import WorkerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+WORDS = ["<unk>", *(f"w{i}" for i in range(95)), "<eos>"]  # 97 tokens, <eos> last
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-lm")
+    config = GPT2Config(
+        vocab_size=len(WORDS), n_positions=64, n_embd=32, n_layer=2, n_head=2, eos_token_id=96
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(path)
+    return path
+
+
+def greedy(path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path).eval()
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(token)
+            if token == 96:
+                break
+            ids.append(token)
+    return out
+
+
+@pytest.fixture
+async def client(tiny_lm: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu"))
+    driver = Driver(DriverConfig(served_name="tiny", task="generate", max_wait_ms=20), ExecutorPool(executor))
+    driver.start()
+    async with TestClient(TestServer(build_app(driver))) as test_client:
+        yield test_client
+    await driver.stop()
+    await driver.pool.close()
+
+
+async def test_completions_match_greedy_decoding(client: TestClient[Any, Any], tiny_lm: Path) -> None:
+    prompts = ["w1 w2 w3", "w40 w7"]
+    resp = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 6, "temperature": 0}
+    )
+    body = await resp.json()
+    assert resp.status == 200, body
+    for choice, prompt in zip(body["choices"], prompts, strict=True):
+        ids = [WORDS.index(w) for w in prompt.split()]
+        expected = greedy(tiny_lm, ids, 6)
+        words = [WORDS[t] for t in expected if t != 96]
+        assert choice["text"].split() == words
+        assert choice["finish_reason"] == ("stop" if len(expected) < 6 else "length")
+    assert body["usage"]["prompt_tokens"] == 5
+    assert body["usage"]["completion_tokens"] == sum(
+        len(greedy(tiny_lm, [WORDS.index(w) for w in p.split()], 6)) for p in prompts
+    )
+
+
+async def test_token_id_prompts_and_seeded_sampling(client: TestClient[Any, Any]) -> None:
+    async def complete(**body: Any) -> dict[str, Any]:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "max_tokens": 8, **body})
+        payload: dict[str, Any] = await resp.json()
+        assert resp.status == 200, payload
+        return payload
+
+    by_ids = await complete(prompt=[[WORDS.index(w) for w in ("w1", "w2", "w3")]], temperature=0)
+    by_text = await complete(prompt="w1 w2 w3", temperature=0)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    first = await complete(prompt="w5 w6", temperature=1.5, seed=11)
+    again = await complete(prompt="w5 w6", temperature=1.5, seed=11)
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+async def test_bad_completion_requests(client: TestClient[Any, Any]) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": "w1", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "w1", "max_tokens": 100_000}, "max_tokens"),
+        ({"prompt": "w1", "temperature": 3}, "temperature"),
+        ({"prompt": "w1", "n": 2}, "n"),
+        ({"prompt": ["w1", [1, 2]]}, "prompt"),
+        ({"prompt": "w1", "stop": [""]}, "stop"),
+        ({"prompt": "w1", "logprobs": 3}, "logprobs"),
+    ]
+    for body, param in cases:
+        resp = await client.post("/v1/completions", json={"model": "tiny", **body})
+        payload = await resp.json()
+        assert resp.status == 400, (body, payload)
+        assert payload["error"]["param"] == param, (body, payload)
