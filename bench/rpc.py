@@ -229,6 +229,25 @@ def _cluster_group(
     return executor, procs
 
 
+def _ray_group() -> tuple[Executor, Callable[[], None]] | None:
+    """The Ray row: `RayExecutor` with ``REPLICAS`` one-rank replicas (actors) on a local Ray, measured beside
+    the raw pyzmq ipc echo like the others, and how to stop both; None when the 'ray' extra is missing."""
+    try:
+        import ray
+        from iwg_worker.executor.ray import RayExecutor
+    except ImportError:
+        print("ray is not installed: no Ray row (install the 'ray' extra)", flush=True)
+        return None
+    ray.init(num_cpus=REPLICAS, include_dashboard=False, object_store_memory=512 << 20, log_to_driver=False)
+    executor = RayExecutor(WorkerConfig(task="none", device="cpu", group="bench"), replicas=REPLICAS)
+
+    def stop() -> None:
+        executor.shutdown()
+        ray.shutdown()
+
+    return executor, stop
+
+
 def main() -> None:
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="iwg-bench-"))
@@ -258,6 +277,15 @@ def main() -> None:
         rows += measure_executor("Multiproc", "ipc", multiproc, raws["ipc"], (1, 4))
         for transport, (executor, _) in clusters.items():
             rows += measure_executor("Cluster", transport, executor, raws[transport], (1, 4))
+        # Ray last: its processes start only now, so they do not load the machine during the rows above.
+        ray_group = _ray_group()
+        if ray_group is not None:
+            try:
+                rows += measure_executor(
+                    "Ray", "Ray actor tasks (raw: ipc)", ray_group[0], raws["ipc"], (1, 4)
+                )
+            finally:
+                ray_group[1]()
         proxy_rows = proxied_vs_direct()
     finally:
         uniproc.shutdown()
@@ -276,12 +304,22 @@ def main() -> None:
     print()
     print(_table(proxy_rows, ["call", "ns per call", "vs direct"]))
     print()
-    small = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor != "UniProc"]
-    large = [r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor != "UniProc"]
+    small = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor not in ("UniProc", "Ray")]
+    large = [
+        r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor not in ("UniProc", "Ray")
+    ]
     print(
         f"64 B overhead vs raw pyzmq: {min(small):.2f}x .. {max(small):.2f}x (target <= 1.3x); "
         f"16 MiB bandwidth vs raw: {min(large):.2f} .. {max(large):.2f} (target >= 0.7)"
     )
+    multiproc_s = {(r.workers, r.payload): r.iwg_s for r in rows if r.executor == "Multiproc"}
+    ray_vs = [
+        f"{r.workers} worker(s) {r.payload} {r.iwg_s / multiproc_s[(r.workers, r.payload)]:.1f}x"
+        for r in rows
+        if r.executor == "Ray" and (r.workers, r.payload) in multiproc_s
+    ]
+    if ray_vs:
+        print("Ray round trip / Multiproc (ZMQ ipc) round trip: " + ", ".join(ray_vs))
     print(f"total {time.monotonic() - started:.0f} s on {os.cpu_count()} cores")
 
 
