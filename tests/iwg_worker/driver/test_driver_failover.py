@@ -1,7 +1,7 @@
 """Chaos on a real group wired as the operator wires pods: `iwg-driver` (ClusterExecutor, tcp + CURVE) and two
 `iwg-worker` processes with real MiniLM weights. Under load, SIGKILL one worker: every request is answered
 once and correctly, the dead replica leaves routing within the heartbeat timeout and rejoins when restarted;
-with no worker left the driver answers 503."""
+a drained replica gets no batches; with no worker left the driver answers 503."""
 
 from __future__ import annotations
 
@@ -228,6 +228,17 @@ async def _chaos(g: Group) -> None:
         assert all(status == 200 for status, _, _ in results)
         rejoined = await fetch_metrics(session, g.url)
         assert metric(rejoined, 'iwg_batches_total{replica="1"}') > batches_before
+
+        # Drained (as the operator does before scaling down), replica 0 gets no new batches; undrained, again.
+        async with session.post(f"{g.url}/admin/replicas/0/drain?timeout=30", headers=AUTH) as resp:
+            assert resp.status == 200 and (await resp.json())["drained"] is True
+        drained_at = metric(await fetch_metrics(session, g.url), 'iwg_batches_total{replica="0"}')
+        results = await asyncio.gather(*(embed(session, g.url, t) for t in TEXTS))
+        assert all(status == 200 for status, _, _ in results)
+        assert metric(await fetch_metrics(session, g.url), 'iwg_batches_total{replica="0"}') == drained_at
+        async with session.post(f"{g.url}/admin/replicas/0/undrain", headers=AUTH) as resp:
+            assert resp.status == 200
+        assert await asyncio.to_thread(serving, g) == [0, 1]
 
         # No worker at all: 503 with Retry-After, quickly, and /readyz says so.
         g.kill_worker(0)
