@@ -205,12 +205,9 @@ class Controller:
         """One pass; returns seconds until a recheck is needed (pending expectations), or None."""
         group = state.group
         assert group is not None
-        failure: str | None = None
-        try:
-            await self._ensure_children(state, group)
-        except ReconcileRefused as error:
-            failure = str(error)
-
+        # Children and pods are independent API objects: apply both at once (a pod's kubelet waits for
+        # the Secret and ConfigMap it mounts, the API server does not).
+        children = asyncio.create_task(self._ensure_children(state, group))
         desired = planning.Desired(
             replicas=group.spec.replicas,
             world_size=group.spec.world_size,
@@ -219,10 +216,17 @@ class Controller:
         )
         pods = self._observed_pods(state, desired)
         plan = planning.plan_pods(desired, pods)
-        if failure is None and not plan.empty:
-            failure = await self._apply_plan(state, group, plan)
-            pods = self._observed_pods(state, desired)
-            plan = planning.plan_pods(desired, pods)
+        failure: str | None = None
+        try:
+            if not plan.empty:
+                failure = await self._apply_plan(state, group, plan)
+                pods = self._observed_pods(state, desired)
+                plan = planning.plan_pods(desired, pods)
+        finally:
+            try:
+                await children
+            except ReconcileRefused as error:
+                failure = failure or str(error)
 
         new_status = status.group_status(
             group.name, group.generation, desired, pods, plan, state.current_status, now_rfc3339(), failure
