@@ -141,3 +141,20 @@ def test_decoding_arbitrary_frames_never_escapes_protocol_error(frames: list[byt
     assert isinstance(
         message, protocol.Call | protocol.Reply | protocol.Hello | protocol.Goodbye | protocol.Ping
     )
+
+
+def test_protocol_works_without_importing_torch() -> None:
+    """Numpy-only peers (e.g. a prober) can speak the protocol without pulling torch in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from iwg_worker import protocol\n"
+        "import zmq\n"
+        "frames = protocol.encode_call(1, 'echo', [np.arange(3)])\n"
+        "message = protocol.decode([zmq.Frame(bytes(memoryview(f))) for f in frames])\n"
+        "assert list(message.args[0]) == [0, 1, 2]\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

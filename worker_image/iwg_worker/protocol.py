@@ -22,6 +22,7 @@ receiver logs and drops before serving the next message.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -56,6 +57,13 @@ _NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
 }
 # bfloat16 has no numpy dtype: it travels as its raw 2-byte words.
 _ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NUMPY_DTYPES.items()} | {"bfloat16": 2}
+
+
+@functools.cache
+def _torch_numpy_dtypes() -> dict[Any, str]:
+    """torch dtype -> name, for dtypes numpy shares (imported on first tensor: operator code has no torch)."""
+    torch = _torch_module()
+    return {getattr(torch, name): name for name in _NUMPY_DTYPES if hasattr(torch, name)}
 
 
 class ProtocolError(ValueError):
@@ -165,6 +173,11 @@ class _Encoder:
         )
 
     def _torch(self, tensor: Any) -> msgpack.ExtType:
+        if tensor.device.type == "cpu" and not tensor.requires_grad and tensor.is_contiguous():
+            dtype = _torch_numpy_dtypes().get(tensor.dtype)
+            if dtype is not None:  # fast path: one call to torch, the rest in numpy
+                array = tensor.numpy()
+                return self._frame(_KIND_TORCH, dtype, list(array.shape), array.reshape(-1).view(np.uint8))
         torch = _torch_module()
         tensor = tensor.detach()
         if tensor.device.type != "cpu":
@@ -307,16 +320,20 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(frame.buffer)  # zmq.Frame received with copy=False
 
 
+# A received tensor shares the frame's read-only memory (zero copy); torch warns about that on every
+# conversion, which would cost more than the conversion itself. Receivers never write into their inputs.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
 def _torch_from_buffer(buf: memoryview, dtype: str, shape: list[int]) -> Any:
     torch = _torch_module()
-    torch_dtype = getattr(torch, dtype)
     if len(buf) == 0:
-        return torch.empty(shape, dtype=torch_dtype)
-    # The frame's memory is read-only; the tensor shares it (zero copy). Workers never write into inputs.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return flat.view(torch_dtype).reshape(shape)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is not None:
+        return torch.from_numpy(np.frombuffer(buf, dtype=numpy_dtype).reshape(shape))
+    flat = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 def _require(header: dict[str, Any], key: str, types: type | tuple[type, ...], nullable: bool = False) -> Any:

@@ -135,10 +135,22 @@ class _Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
         free = Gauge("iwg_worker_device_memory_free_bytes", "Free device memory", registry=self.registry)
         total = Gauge("iwg_worker_device_memory_total_bytes", "Total device memory", registry=self.registry)
         free.set_function(lambda: float(wrapper.require_worker().get_memory_info()[0]))
         total.set_function(lambda: float(wrapper.require_worker().get_memory_info()[1]))
+
+    def for_method(self, method: str) -> tuple[Any, Any, Any]:
+        """(requests, errors, step) children for one method label, looked up once."""
+        children = self._children.get(method)
+        if children is None:
+            children = self._children[method] = (
+                self.requests.labels(method),
+                self.errors.labels(method),
+                self.step.labels(method),
+            )
+        return children
 
 
 class WorkerProc:
@@ -338,15 +350,16 @@ class WorkerProc:
         except Exception as exc:
             if isinstance(exc, UnknownMethodError):
                 label = "<unknown>"
-            self.metrics.errors.labels(label).inc()
+            self.metrics.for_method(label)[1].inc()
             log.exception("call %r (id %d) failed", call.method, call.id)
             error = protocol.RemoteErrorInfo(type(exc).__name__, str(exc), traceback.format_exc())
             self._emit(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
             return
         finally:
             self._in_flight = None
-            self.metrics.requests.labels(label).inc()
-            self.metrics.step.labels(label).observe(time.perf_counter() - started)
+            requests, _errors, step = self.metrics.for_method(label)
+            requests.inc()
+            step.observe(time.perf_counter() - started)
         if replies:
             try:
                 frames = protocol.encode_reply(call.id, self.replica, self.rank, result=result)

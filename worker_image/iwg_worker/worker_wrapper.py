@@ -8,6 +8,7 @@ a plain attribute lookup.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -137,6 +138,7 @@ class WorkerWrapperBase:
         self.timings = CallTimings()
         self.mm_receiver_cache = FeatureCache()
         self._cached_names: list[str] = []
+        self._resolved: dict[str, Callable[..., Any]] = {}
 
     # -- phase 2 ----------------------------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class WorkerWrapperBase:
         for name in self._cached_names:
             self.__dict__.pop(name, None)
         self._cached_names.clear()
+        self._resolved.clear()
         self.worker = cls(**kwargs)
 
     def require_worker(self) -> WorkerBase:
@@ -187,7 +190,7 @@ class WorkerWrapperBase:
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails; the bound method is stored on the instance so the next
         # access is a plain dict hit.
-        if name.startswith("__") or name in ("worker", "_cached_names"):
+        if name.startswith("__") or name in ("worker", "_cached_names", "_resolved"):
             raise AttributeError(name)
         worker = self.__dict__.get("worker")
         if worker is None:
@@ -209,10 +212,17 @@ class WorkerWrapperBase:
     # -- dispatch by name ------------------------------------------------------------------------------
 
     def resolve_method(self, name: str) -> Callable[..., Any]:
-        """A name from the wire -> the callable serving it; `UnknownMethodError` names anything else."""
+        """A name from the wire -> the callable serving it (cached); `UnknownMethodError` names anything
+        else."""
+        resolved = self._resolved.get(name)
+        if resolved is None:
+            resolved = self._resolved[name] = self._resolve_uncached(name)
+        return resolved
+
+    def _resolve_uncached(self, name: str) -> Callable[..., Any]:
         registered = METHOD_REGISTRY.get(name)
         if registered is not None:
-            return lambda *a, **k: registered(self, *a, **k)
+            return functools.partial(registered, self)
         if name in _WRAPPER_METHODS:
             return getattr(self, name)  # type: ignore[no-any-return]
         worker = self.require_worker()
