@@ -25,6 +25,11 @@ def workspace(node_agent: NodeAgentProcess, namespace: str, k8s: ApiClient) -> I
     """The test's namespace; at the end its pods are killed at once, so the next test starts on a quiet machine."""
     yield namespace
     core = client.CoreV1Api(k8s)
+    apps = client.AppsV1Api(k8s)
+    for deployment in apps.list_namespaced_deployment(namespace).items:  # or its ReplicaSet brings pods back
+        apps.delete_namespaced_deployment(
+            deployment.metadata.name, namespace, propagation_policy="Foreground"
+        )
     for pod in core.list_namespaced_pod(namespace).items:
         core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
     deadline = time.monotonic() + 30

@@ -140,3 +140,107 @@ def diagnose(agent: Any, core: client.CoreV1Api, namespace: str) -> str:
     lines.append(agent.log_tail(30))
     lines.append(agent.pod_logs(namespace, lines=25))
     return "\n".join(lines)
+
+
+def group_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    """examples/minilm.yaml under another name, with spec fields replaced (top level, then one level down)."""
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "minilm.yaml").read_text())
+    manifest = copy.deepcopy(example)
+    manifest["metadata"] = {"name": name}
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(manifest["spec"].get(key), dict):
+            manifest["spec"][key] = {**manifest["spec"][key], **value}
+        else:
+            manifest["spec"][key] = value
+    return dict(manifest)
+
+
+def wait_serving(
+    groups: Any, core: client.CoreV1Api, agent: Any, name: str, replicas: int, timeout: float = 180
+) -> str:
+    """Waits until `replicas` replicas and the driver are ready; returns the driver's address."""
+    namespace = groups.namespace
+    try:
+        eventually(
+            lambda: (groups.get(name).get("status") or {}).get("readyReplicas") == replicas,
+            timeout,
+            f"{replicas} replica(s) of {name} ready",
+        )
+        eventually(
+            lambda: [
+                p
+                for p in core.list_namespaced_pod(
+                    namespace,
+                    label_selector=f"inference.iwg.dev/group={name},app.kubernetes.io/component=driver",
+                ).items
+                if pod_ready(p)
+            ],
+            timeout,
+            "the driver ready",
+        )
+        address = eventually(lambda: driver_address(agent.gateway, namespace, name), 30, "driver DNS name")
+        api = openai_client(address)
+        eventually(
+            lambda: _answers(api, groups.get(name)["spec"]["model"]["servedName"]),
+            timeout,
+            "the driver to answer with all replicas",
+            interval=1.0,
+        )
+        return address
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{diagnose(agent, core, namespace)}") from None
+
+
+def _answers(api: OpenAI, model: str) -> bool:
+    try:
+        return len(api.embeddings.create(model=model, input=["ping"]).data) == 1
+    except Exception:
+        return False
+
+
+@dataclass
+class Recovery:
+    """Times from a fault to the operator's reaction and to the group serving in full again."""
+
+    fault: str
+    detected_s: float
+    ready_s: float
+    replaced: list[str]
+
+
+def await_replacement(
+    core: client.CoreV1Api,
+    groups: Any,
+    name: str,
+    victims: list[Any],
+    started: float,
+    replicas: int,
+    timeout: float = 180,
+) -> Recovery:
+    """Polls until every victim pod is gone or terminating (detected) and new pods stand ready (recovered)."""
+    namespace = groups.namespace
+    uids = {p.metadata.uid for p in victims}
+    wanted = {p.metadata.name for p in victims}
+    detected: float | None = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = {p.metadata.uid: p for p in worker_pods(core, namespace, name)}
+        if detected is None and all(u not in current or current[u].metadata.deletion_timestamp for u in uids):
+            detected = time.monotonic() - started
+        if detected is not None:
+            fresh = [
+                p
+                for p in current.values()
+                if p.metadata.uid not in uids and p.metadata.deletion_timestamp is None
+            ]
+            serving = (groups.get(name).get("status") or {}).get("readyReplicas") == replicas
+            replaced = wanted <= {p.metadata.name for p in fresh if pod_ready(p)}
+            if serving and replaced:
+                return Recovery("", detected, time.monotonic() - started, sorted(wanted))
+        time.sleep(0.05)
+    raise AssertionError(f"no replacement of {sorted(wanted)} within {timeout:.0f}s")

@@ -349,7 +349,15 @@ class PodRunner:
 
     async def _run(self) -> None:
         try:
-            await asyncio.to_thread(self._make_sandbox)
+            for attempt in range(3):
+                try:
+                    await asyncio.to_thread(self._make_sandbox)
+                    break
+                except network.NetworkError as error:
+                    log.warning("%s: sandbox attempt %d failed: %s", self.key, attempt + 1, error)
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(1.0)
             await self.report()
             plans = await self._plans()
             self.containers = [
@@ -494,7 +502,7 @@ class PodRunner:
                 container.kill()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(container.process.wait(), 5)
-        await asyncio.to_thread(network.remove_sandbox, self.netns)
+        await asyncio.to_thread(network.remove_sandbox, self.netns, self.agent.bridge.veth_name(self.index))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -512,7 +520,6 @@ class NodeAgent:
         self.table = DnsTable()
         self.dns = ClusterDnsServer(self.table, self.bridge.gateway)
         self.runners: dict[str, PodRunner] = {}
-        self._free_indices: list[int] = []
         self._next_index = 0
         self._created_dirs: list[Path] = []
         self._finishing: set[str] = set()
@@ -736,11 +743,15 @@ class NodeAgent:
         return found
 
     def _allocate_index(self) -> int:
-        if self._free_indices:
-            return self._free_indices.pop(0)
-        index = self._next_index
-        self._next_index += 1
-        return index
+        """The next free address, round-robin: a pod's address is not handed out again soon after it ends."""
+        used = {r.index for r in self.runners.values()}
+        capacity = self.bridge.subnet.num_addresses - 3
+        for _ in range(capacity):
+            index = self._next_index % capacity
+            self._next_index += 1
+            if index not in used:
+                return index
+        raise network.NetworkError(f"no free pod address left in {self.bridge.subnet}")
 
     async def _on_pod(self, kind: str, pod: Obj) -> None:
         self._rebuild_dns()
@@ -778,7 +789,6 @@ class NodeAgent:
         finally:
             self._finishing.discard(runner.uid)
         self.runners.pop(runner.uid, None)
-        self._free_indices.append(runner.index)
         if delete:
             await self._force_delete(runner.pod)
 

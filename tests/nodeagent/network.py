@@ -87,6 +87,9 @@ class Bridge:
     def netns_name(self, index: int) -> str:
         return f"iwg-{self.token}-{index}"
 
+    def veth_name(self, index: int) -> str:
+        return f"iv{self.token}{index}"
+
     def address(self, index: int) -> str:
         """Pod addresses start at .2 (.1 is the bridge: the node, the DNS server)."""
         if not 0 <= index < self.subnet.num_addresses - 3:
@@ -96,8 +99,9 @@ class Bridge:
     def add_sandbox(self, index: int, nameserver: str, search: list[str]) -> str:
         """A network namespace with eth0 on the bridge and a resolv.conf pointing at `nameserver`."""
         netns = self.netns_name(index)
-        host_veth = f"iv{self.token}{index}"
+        host_veth = self.veth_name(index)
         address = self.address(index)
+        ip("link", "del", host_veth, check=False)  # left by a namespace the kernel has not freed yet
         ip("netns", "add", netns)
         try:
             ip("link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
@@ -112,7 +116,7 @@ class Bridge:
                 f"nameserver {nameserver}\nsearch {' '.join(search)}\noptions ndots:5 timeout:1 attempts:3\n"
             )
         except BaseException:
-            remove_sandbox(netns)
+            remove_sandbox(netns, host_veth)
             raise
         return address
 
@@ -142,8 +146,11 @@ def kill_sandbox_processes(netns: str, grace_s: float = 0.0) -> None:
         time.sleep(0.02)
 
 
-def remove_sandbox(netns: str) -> None:
+def remove_sandbox(netns: str, veth: str | None = None) -> None:
     kill_sandbox_processes(netns)
+    if veth is not None:
+        # Deleting one end removes the pair now; the namespace itself is freed by the kernel later.
+        ip("link", "del", veth, check=False)
     ip("netns", "del", netns, check=False)
     shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
 

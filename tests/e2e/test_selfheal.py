@@ -1,0 +1,132 @@
+"""Faults injected into real worker processes; the operator's health prober replaces them while clients keep
+sending requests (the driver retries a batch whose replica died, so none fails)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from tests.e2e.harness import (
+    Load,
+    await_replacement,
+    eventually,
+    group_manifest,
+    live_ready_workers,
+    signal_worker,
+    wait_serving,
+    worker_pods,
+)
+from tests.iwg_operator.conftest import Groups
+from tests.nodeagent.fixture import NodeAgentProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+PERIOD, THRESHOLD, TIMEOUT = 2, 2, 1
+FAST_HEALTH = {
+    "periodSeconds": PERIOD,
+    "timeoutSeconds": TIMEOUT,
+    "failureThreshold": THRESHOLD,
+    "restartPolicy": "Pod",
+    "backoffSeconds": 0,
+}
+MODEL = "all-MiniLM-L6-v2"
+
+
+def create(control_plane: Any, namespace: str, manifest: dict[str, Any]) -> None:
+    import yaml
+
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[Any]:
+    found = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return [e for e in found if e.reason == reason]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_a_killed_or_hung_worker_is_replaced_under_load_without_failed_requests(
+    fault: signal.Signals,
+    node_agent: NodeAgentProcess,
+    control_plane: Any,
+    k8s: ApiClient,
+    workspace: str,
+    e2e_operator: Any,
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "heal"
+    create(control_plane, workspace, group_manifest(name, replicas=2, health=FAST_HEALTH))
+    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    time.sleep(PERIOD * 2)  # the prober has seen every worker healthy: it supervises them
+
+    load = Load(address, MODEL, clients=2).start()
+    time.sleep(2)
+    victim = live_ready_workers(core, workspace, name)[0]
+    started = time.monotonic()
+    signal_worker(victim, fault)
+    recovery = await_replacement(core, groups, name, [victim], started, replicas=2)
+    time.sleep(2)
+    load.stop()
+
+    print(
+        f"{fault.name}: detected after {recovery.detected_s:.2f}s, serving in full after {recovery.ready_s:.2f}s"
+    )
+    assert load.failures == [], load.failures[:5]
+    assert load.ok > 10
+    if fault is signal.SIGSTOP:
+        # Worst case: the stop lands just after a healthy answer; THRESHOLD rounds later the last probe times out.
+        assert recovery.detected_s <= PERIOD * THRESHOLD + TIMEOUT + 0.5
+    unhealthy = events(core, workspace, name, "WorkerUnhealthy")
+    assert any(victim.metadata.name in e.message for e in unhealthy), [e.message for e in unhealthy]
+    assert (groups.get(name).get("status") or {}).get("restartCount", 0) >= 1
+
+
+def test_world_size_two_replica_policy_replaces_both_ranks(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "tp"
+    health = {**FAST_HEALTH, "restartPolicy": "Replica"}
+    create(control_plane, workspace, group_manifest(name, replicas=1, worldSize=2, health=health))
+    wait_serving(groups, core, node_agent, name, replicas=1)
+    time.sleep(PERIOD * 2)
+    ranks = live_ready_workers(core, workspace, name)
+    assert sorted(p.metadata.name for p in ranks) == ["tp-r0-w0", "tp-r0-w1"]
+    started = time.monotonic()
+    signal_worker(ranks[1], signal.SIGKILL)
+    recovery = await_replacement(core, groups, name, ranks, started, replicas=1)
+    print(
+        f"world size 2: both ranks replaced, detected {recovery.detected_s:.2f}s, ready {recovery.ready_s:.2f}s"
+    )
+    assert recovery.replaced == ["tp-r0-w0", "tp-r0-w1"]
+
+
+def test_an_always_crashing_worker_stops_after_the_restart_budget(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "crashy"
+    health = {**FAST_HEALTH, "maxRestarts": 2, "restartWindowSeconds": 600, "backoffSeconds": 1}
+    manifest = group_manifest(name, replicas=1, health=health)
+    manifest["spec"]["model"]["path"] = "/nonexistent/model"
+    create(control_plane, workspace, manifest)
+
+    def exhausted() -> dict[str, Any] | None:
+        for condition in (groups.get(name).get("status") or {}).get("conditions") or []:
+            if condition["type"] == "RestartBudgetExhausted" and condition["status"] == "True":
+                return dict(condition)
+        return None
+
+    condition = eventually(exhausted, 240, "the RestartBudgetExhausted condition")
+    assert "spec.health.maxRestarts=2" in condition["message"]
+    assert "crashy-r0-w0" in condition["message"]
+    assert groups.get(name)["status"]["restartCount"] == 2
+    pod_uid = worker_pods(core, workspace, name)[0].metadata.uid
+    time.sleep(PERIOD * 4)
+    assert [p.metadata.uid for p in worker_pods(core, workspace, name)] == [pod_uid]  # no more replacements
+    assert groups.get(name)["status"]["restartCount"] == 2
+    assert events(core, workspace, name, "RestartBudgetExhausted")
