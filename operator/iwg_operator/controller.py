@@ -194,7 +194,7 @@ class Controller:
                 raise
             except Exception as error:  # a retry with backoff, never a crash of the operator
                 state.backoff = min(max(state.backoff * 2, MIN_BACKOFF_SECONDS), MAX_BACKOFF_SECONDS)
-                log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *state.key, state.backoff, error)
+                log.warning("reconcile %s/%s failed (retry in %.0fs): %r", *state.key, state.backoff, error)
                 self._wake_later(state, state.backoff)
                 continue
             state.backoff = 0.0

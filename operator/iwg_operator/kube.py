@@ -167,7 +167,8 @@ class KubeApi:
     def __init__(self, connection: Connection, max_connections: int = 64, timeout: float = 30.0) -> None:
         self.connection = connection
         self.requests = RequestCounter()
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # Per-socket limits, not a total: under load a request may wait for a pooled connection a while.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
