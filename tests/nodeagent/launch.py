@@ -46,13 +46,13 @@ def apply_mount(mount: dict[str, object], source_fds: dict[str, int]) -> None:
         Path(target).mkdir(parents=True, exist_ok=True)
         _mount("tmpfs", target, "tmpfs", 0, f"size={mount['tmpfs_size']}")
         return
-    if Path(source).is_dir():
+    # Through a descriptor opened before any mount: an earlier mount (an emptyDir on /tmp) may hide the path.
+    handle = f"/proc/self/fd/{source_fds[source]}"
+    if os.path.isdir(handle):
         Path(target).mkdir(parents=True, exist_ok=True)
     elif not Path(target).exists():
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         Path(target).touch()
-    # Through a descriptor opened before any mount: an earlier mount (an emptyDir on /tmp) may hide the path.
-    handle = f"/proc/self/fd/{source_fds[source]}"
     _mount(handle, target, None, MS_BIND | MS_REC, None)
     if mount.get("read_only"):
         _mount(handle, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
