@@ -350,7 +350,9 @@ class Controller:
         )
         if state.children_hash == desired_hash:
             return
-        await self._ensure_secret(group)
+        # A group no operator has reconciled yet has no children: create them without looking first.
+        fresh = not state.current_status.get("observedGeneration")
+        await self._ensure_secret(group, fresh)
         children: list[tuple[Resource, builders.Manifest]] = [
             (CONFIG_MAPS, builders.config_map(group, self.settings)),
             (SERVICES, builders.headless_service(group)),
@@ -360,43 +362,51 @@ class Controller:
             (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
         ]
         results = await gather_limited(
-            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m) for resource, m in children)
+            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m, fresh) for resource, m in children)
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         state.children_hash = desired_hash
 
-    async def _ensure_secret(self, group: builders.Group) -> None:
+    async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)
-        current = await self.kube.get(SECRETS, group.namespace, name)
+        current = None if fresh else await self.kube.get(SECRETS, group.namespace, name)
+        if current is None:
+            public_key, secret_key = zmq.curve_keypair()
+            manifest = builders.curve_secret(group, public_key, secret_key, secrets.token_urlsafe(32))
+            try:
+                await self.kube.create(SECRETS, group.namespace, manifest)
+                return
+            except ApiError as error:
+                if error.status != 409:
+                    raise _refused("Secret", name, error) from error
+            current = await self.kube.get(SECRETS, group.namespace, name)
         if current is not None:
-            _check_owner(current, group, "Secret")
-            return  # keys are generated once and never rotated by a reconcile
-        public_key, secret_key = zmq.curve_keypair()
-        manifest = builders.curve_secret(group, public_key, secret_key, secrets.token_urlsafe(32))
-        try:
-            await self.kube.create(SECRETS, group.namespace, manifest)
-        except ApiError as error:
-            if error.status != 409:
-                raise _refused("Secret", name, error) from error
+            _check_owner(current, group, "Secret")  # keys are generated once, never rotated by a reconcile
 
     async def _ensure_child(
-        self, group: builders.Group, resource: Resource, manifest: builders.Manifest
+        self, group: builders.Group, resource: Resource, manifest: builders.Manifest, fresh: bool
     ) -> None:
+        """Create, or compare and apply; a fresh group's children are created without a lookup first."""
         name = manifest["metadata"]["name"]
-        current = await self.kube.get(resource, group.namespace, name)
         try:
+            current = None if fresh else await self.kube.get(resource, group.namespace, name)
             if current is None:
-                await self.kube.create(resource, group.namespace, manifest)
-                return
+                try:
+                    await self.kube.create(resource, group.namespace, manifest)
+                    return
+                except ApiError as error:
+                    if error.status != 409:
+                        raise
+                current = await self.kube.get(resource, group.namespace, name)
+                if current is None:
+                    return  # deleted meanwhile: the next spec change creates it
             _check_owner(current, group, resource.kind)
             have = (current.get("metadata", {}).get("annotations") or {}).get(labels.SPEC_HASH)
             if have != manifest["metadata"]["annotations"][labels.SPEC_HASH]:
                 await self.kube.apply(resource, group.namespace, name, manifest)
         except ApiError as error:
-            if error.status == 409 and current is None:
-                return  # created meanwhile; the next spec change compares it again
             if 400 <= error.status < 500 and error.status != 429:
                 raise _refused(resource.kind, name, error) from error
             raise
