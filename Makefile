@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.iwg-installed
 
-.PHONY: setup cluster-bins lint test test-fast demo cluster-up cluster-down crds docs bench clean
+.PHONY: setup cluster-bins lint test test-fast demo demo-local cluster-up cluster-down crds docs bench clean
 
 setup: $(STAMP)
 
@@ -32,7 +32,12 @@ test: lint cluster-bins
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
-demo: setup
+# The example group through a local control plane, the operator and the node agent (needs root).
+demo: setup cluster-bins
+	$(BIN)/python -m examples.cluster_demo
+
+# The same group with `iwg serve` on this machine, without Kubernetes.
+demo-local: setup
 	$(BIN)/python -m examples.demo
 
 cluster-up: setup cluster-bins

@@ -118,6 +118,9 @@ class Supervisor:
             for pod in replacement.pods:
                 await self.controller.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
             metrics.pod_replaced(
+                "device_fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
+            )
+            metrics.pod_replaced(
                 "device-fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
             )
             await self.controller.post_event(state, "Warning", "WorkerUnhealthy", message, once=False)
@@ -152,7 +155,10 @@ class Supervisor:
                 error = f"driver metrics unavailable: {scrape_error}"
         decision = scaler.decide(sample, error, current, spec.autoscaling)
         if decision.replicas is not None and decision.replicas != current:
+            metrics.autoscaler_decision("up" if decision.replicas > current else "down")
             decision = await self._scale(state, decision, current, driver)
+        else:
+            metrics.autoscaler_decision("hold")
         metrics.autoscaler_decision(_direction(decision.replicas, current))
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(
