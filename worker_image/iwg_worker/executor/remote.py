@@ -236,7 +236,7 @@ class RemoteExecutor(Executor):
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._response, zmq.POLLIN)
-        next_ping = time.monotonic()
+        next_ping = next_tick = time.monotonic()
         while not self._closed.is_set():
             try:
                 ready = poller.poll(_TICK_MS)
@@ -245,6 +245,9 @@ class RemoteExecutor(Executor):
             if ready:
                 self._drain()
             now = time.monotonic()
+            if now < next_tick:
+                continue  # timers run once a tick, not after every reply: the caller waits for the GIL
+            next_tick = now + _TICK_MS / 1000
             if now >= next_ping:
                 self._ping_members()
                 next_ping = now + self.heartbeat_interval_s
