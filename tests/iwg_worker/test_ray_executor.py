@@ -50,7 +50,20 @@ SENTENCES = [
 def local_ray() -> Iterator[None]:
     # Ray's processes inherit this process's environment: conftest put this checkout first on PYTHONPATH
     # and set HF_HUB_OFFLINE, so the actors run the code under test, offline.
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024 * 1024, log_to_driver=False)
+    for attempt in (1, 2):
+        # Ray gives its raylet a fixed 30 s to register with the GCS; a saturated machine can miss that once.
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                object_store_memory=150 * 1024 * 1024,
+                log_to_driver=False,
+            )
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     try:
         yield
     finally:
