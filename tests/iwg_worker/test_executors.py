@@ -346,8 +346,12 @@ def test_sigterm_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     events: list[MembershipEvent] = []
     multiproc.subscribe(events.append)
     in_flight = multiproc.collective_rpc_future("sleep", (1.0,), timeout=60)
+    queued = multiproc.collective_rpc_future("echo", ("never run",), timeout=60)
     time.sleep(0.3)
     multiproc.shutdown()  # SIGTERM to every worker, then waits for them
     assert in_flight.result(timeout=0) == [1.0, 1.0]
+    # The call queued behind it was never run: the goodbye's last_call says so, and it fails at once.
+    error = queued.exception(timeout=0)
+    assert isinstance(error, ReplicaLostError) and "goodbye" in error.reason and error.method == "echo"
     assert [wp.process.returncode for wp in multiproc.processes] == [0, 0]
     assert sorted(e.rank for e in events if e.kind == "left" and e.reason.startswith("goodbye")) == [0, 1]

@@ -1,0 +1,73 @@
+"""Bad configuration gets a clear error naming the field or environment variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from iwg_operator.api import wiring
+from iwg_worker.executor.cluster import ClusterExecutor, bind_address
+from iwg_worker.security import CurveKeys
+from iwg_worker.worker_base import WorkerConfig
+from iwg_worker.worker_proc import WorkerProcConfig
+
+BASE_ENV = {wiring.RPC_ENDPOINT: "ipc:///tmp/iwg-x/rpc", wiring.RESPONSE_ENDPOINT: "ipc:///tmp/iwg-x/resp"}
+
+
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({wiring.RESPONSE_ENDPOINT: "ipc:///tmp/x"}, wiring.RPC_ENDPOINT),
+        ({**BASE_ENV, wiring.RPC_ENDPOINT: "http://driver:5555"}, wiring.RPC_ENDPOINT),
+        ({**BASE_ENV, wiring.RPC_ENDPOINT: "tcp://driver:5555"}, wiring.CURVE_DIR),
+        ({**BASE_ENV, wiring.REPLICA: "one"}, wiring.REPLICA),
+        ({**BASE_ENV, wiring.HEARTBEAT_INTERVAL: "fast"}, wiring.HEARTBEAT_INTERVAL),
+        ({**BASE_ENV, wiring.MODEL_TASK: "classify"}, "task"),
+        ({**BASE_ENV, wiring.MODEL_TASK: "embed"}, "model_path"),
+        ({**BASE_ENV, wiring.RANK: "2", wiring.WORLD_SIZE: "2"}, "rank"),
+        ({**BASE_ENV, wiring.DEVICE: "tpu"}, "device"),
+    ],
+)
+def test_worker_env_errors_name_the_variable(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        WorkerProcConfig.from_env(env)
+
+
+def test_worker_env_contract_is_read() -> None:
+    config = WorkerProcConfig.from_env(
+        {
+            **BASE_ENV,
+            wiring.REPLICA: "3",
+            wiring.RANK: "1",
+            wiring.WORLD_SIZE: "2",
+            wiring.MODEL_TASK: "embed",
+            wiring.MODEL_PATH: "/models/m",
+            wiring.HEALTH_PORT: "9000",
+            wiring.POD_NAME: "g-3-1",
+            wiring.WORKER_EXTENSION_CLS: "pkg.Ext",
+        }
+    )
+    assert (config.worker.replica, config.worker.rank, config.worker.world_size) == (3, 1, 2)
+    assert (config.health_port, config.pod_name, config.worker_extension_cls) == (9000, "g-3-1", "pkg.Ext")
+    assert config.worker.task == "embed" and config.worker.model_path == "/models/m"
+
+
+def test_curve_key_files_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"curve\.pub"):
+        CurveKeys.load(tmp_path)
+    keys = CurveKeys.generate().save(tmp_path)
+    (keys / wiring.CURVE_PUBLIC_FILE).write_bytes(CurveKeys.generate().public)
+    with pytest.raises(ValueError, match="does not match"):
+        CurveKeys.load(tmp_path)
+
+
+def test_cluster_executor_refuses_tcp_without_keys_and_non_tcp_endpoints() -> None:
+    with pytest.raises(ValueError, match="CURVE keys"):
+        ClusterExecutor("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    with pytest.raises(ValueError, match="rpc_endpoint"):
+        ClusterExecutor("ipc:///tmp/x", "tcp://127.0.0.1:0", insecure=True)
+    with pytest.raises(ValueError, match="must be tcp://host:port"):
+        bind_address("driver:5555", "0.0.0.0")
+    assert bind_address("tcp://minilm-driver.ml.svc:5555", "10.0.0.7") == "tcp://10.0.0.7:5555"
+    with pytest.raises(ValueError, match="world_size"):
+        WorkerConfig(world_size=0)
