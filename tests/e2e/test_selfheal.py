@@ -3,6 +3,7 @@ sending requests (the driver retries a batch whose replica died, so none fails).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from typing import Any
@@ -130,3 +131,38 @@ def test_an_always_crashing_worker_stops_after_the_restart_budget(
     assert [p.metadata.uid for p in worker_pods(core, workspace, name)] == [pod_uid]  # no more replacements
     assert groups.get(name)["status"]["restartCount"] == 2
     assert events(core, workspace, name, "RestartBudgetExhausted")
+
+
+def test_a_device_fault_moves_the_replacement_to_another_node_and_names_the_node(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    from tests.e2e.faulty_worker import FAULT_DIR
+
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "gpu"
+    manifest = group_manifest(name, replicas=1, health=FAST_HEALTH)
+    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.faulty_worker.FaultyDeviceWorker"
+    create(control_plane, workspace, manifest)
+    wait_serving(groups, core, node_agent, name, replicas=1)
+    time.sleep(PERIOD * 2)
+    victim = live_ready_workers(core, workspace, name)[0]
+    bad_node = victim.spec.node_name
+    FAULT_DIR.mkdir(parents=True, exist_ok=True)
+    marker = FAULT_DIR / victim.status.pod_ip
+    marker.touch()
+    try:
+        await_replacement(core, groups, name, [victim], time.monotonic(), replicas=1)
+    finally:
+        marker.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            FAULT_DIR.rmdir()
+    replacement = live_ready_workers(core, workspace, name)[0]
+    assert replacement.spec.node_name != bad_node
+    terms = replacement.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert any(
+        e.operator == "NotIn" and bad_node in e.values
+        for t in terms.node_selector_terms
+        for e in t.match_expressions
+    )
+    faults = events(core, workspace, name, "DeviceFault")
+    assert faults and bad_node in faults[0].message, [e.message for e in faults]

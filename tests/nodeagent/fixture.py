@@ -30,6 +30,8 @@ POD_ENV = {
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # Test-only worker classes (tests/e2e/faulty_worker.py) are importable in pods.
+    "PYTHONPATH": str(REPO_ROOT),
 }
 
 
