@@ -68,6 +68,7 @@ class GroupState:
     task: asyncio.Task[None] | None = None
     backoff: float = 0.0
     posted: dict[str, str] = field(default_factory=dict)  # event reason -> last message, to post once
+    children_attempted: bool = False  # a retry after a failed first pass looks before it creates
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -351,7 +352,8 @@ class Controller:
         if state.children_hash == desired_hash:
             return
         # A group no operator has reconciled yet has no children: create them without looking first.
-        fresh = not state.current_status.get("observedGeneration")
+        fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
+        state.children_attempted = True
         await self._ensure_secret(group, fresh)
         children: list[tuple[Resource, builders.Manifest]] = [
             (CONFIG_MAPS, builders.config_map(group, self.settings)),

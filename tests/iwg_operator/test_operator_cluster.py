@@ -64,7 +64,7 @@ def test_group_becomes_colocated_gpu_pods_with_wiring_and_is_garbage_collected(
         ready["status"] == "True"
         and ready["observedGeneration"] == groups.get("tp")["metadata"]["generation"]
     )
-    assert any(e.reason == "CreatedPods" for e in groups.events("tp"))
+    eventually(lambda: any(e.reason == "CreatedPods" for e in groups.events("tp")), what="CreatedPods Event")
 
     core = client.CoreV1Api(k8s)
     ns = groups.namespace
@@ -109,7 +109,10 @@ def test_more_gpus_than_exist_reports_unschedulable(
     )
     assert "nvidia.com/gpu" in condition["message"] or "affinity" in condition["message"]
     assert groups.get("huge")["status"]["phase"] == "Pending"
-    assert any(e.reason == "Unschedulable" and e.type == "Warning" for e in groups.events("huge"))
+    eventually(
+        lambda: any(e.reason == "Unschedulable" and e.type == "Warning" for e in groups.events("huge")),
+        what="Unschedulable Warning Event",
+    )
     groups.delete("huge")
 
 
