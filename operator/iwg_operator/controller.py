@@ -141,7 +141,9 @@ class Controller:
         """An invalid spec the API server could not catch: stop reconciling, mark it, tell the user once."""
         key = _key(body)
         state = self.groups.setdefault(key, GroupState(key=key, body=body))
-        state.body = body
+        known = state.current_status
+        # Keep the status this operator already knows when the handler's body predates it.
+        state.body = body if body.get("status") or not known else {**body, "status": known}
         state.group = None
         desired = status.invalid_spec_status(
             key[1], state.generation, message, state.current_status, now_rfc3339()

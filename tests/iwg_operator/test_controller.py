@@ -1,0 +1,150 @@
+"""The reconciler against a recording stand-in for the API (pure unit tests; the real API is in *_cluster)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from iwg_operator import builders
+from iwg_operator.api import v1alpha1 as api
+from iwg_operator.controller import Controller, GroupState, group_from_body
+from iwg_operator.kube import ApiError, Resource
+from iwg_operator.planning import ObservedPod, observe_pod
+
+
+class RecordingKube:
+    """Keeps objects in a dict; records every call as (verb, resource plural, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+
+    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", resource.plural, name))
+        return copy.deepcopy(self.objects.get((resource.plural, name)))
+
+    async def create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"].get("name") or f"{body['metadata']['generateName']}{len(self.calls)}"
+        self.calls.append(("create", resource.plural, name))
+        if (resource.plural, name) in self.objects:
+            raise ApiError(409, "AlreadyExists", f"{name} exists")
+        self.objects[(resource.plural, name)] = copy.deepcopy(body)
+        return body
+
+    async def apply(
+        self, resource: Resource, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.calls.append(("apply", resource.plural, name))
+        self.objects[(resource.plural, name)] = copy.deepcopy(body)
+        return body
+
+    async def patch_status(
+        self, resource: Resource, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.calls.append(("patch", f"{resource.plural}/status", name))
+        return {"status": copy.deepcopy(status)}
+
+    async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
+        self.calls.append(("delete", resource.plural, name))
+        return self.objects.pop((resource.plural, name), None) is not None
+
+    async def close(self) -> None:
+        pass
+
+    def writes(self) -> list[tuple[str, str, str]]:
+        return [c for c in self.calls if c[0] != "get"]
+
+    def pods(self) -> list[ObservedPod]:
+        result = []
+        for (plural, _), body in self.objects.items():
+            if plural == "pods":
+                ready = {
+                    **body,
+                    "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+                }
+                pod = observe_pod(ready)
+                assert pod is not None
+                result.append(pod)
+        return result
+
+
+def body(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "g", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {"model": {"task": "embed", "path": "/m"}, **spec},
+    }
+
+
+def controller(kube: RecordingKube) -> Controller:
+    made = Controller(kube, builders.BuildSettings())  # type: ignore[arg-type]
+    made.bind_pod_index(lambda key: kube.pods())
+    return made
+
+
+async def test_first_pass_creates_everything_and_a_settled_group_writes_nothing() -> None:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    group_body = body(replicas=2, worldSize=2)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+
+    await ctl.reconcile(state)
+    created = {(plural, name) for verb, plural, name in kube.calls if verb == "create"}
+    assert {("pods", f"g-r{r}-w{k}") for r in range(2) for k in range(2)} <= created
+    for child in ("g-curve", "g-config", "g-workers", "g-driver"):
+        assert any(name == child for _, name in created), child
+    assert not any(verb == "get" for verb, _, _ in kube.calls), "a fresh group creates without looking first"
+    assert state.current_status["phase"] in ("Progressing", "Pending", "Running")
+
+    kube.calls.clear()
+    await ctl.reconcile(state)  # pods now visible and ready: one status change, then nothing
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert kube.calls == [], "nothing changed: no request at all"
+    assert state.current_status["phase"] == "Running"
+
+
+async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret() -> None:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    secret = copy.deepcopy(kube.objects[("secrets", "g-curve")])
+
+    changed = body(driver={"port": 9000})
+    changed["metadata"]["generation"] = 2
+    state.body = {**changed, "status": state.current_status}
+    state.group = group_from_body(changed)
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    applied = {name for verb, plural, name in kube.writes() if verb == "apply"}
+    assert applied == {"g-driver", "g-config"}, kube.writes()
+    assert kube.objects[("secrets", "g-curve")] == secret, "keys are never rotated"
+
+
+async def test_invalid_spec_is_marked_once() -> None:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    bad = body(worldSize=100)
+    with pytest.raises(api.ManifestError) as error:
+        group_from_body(bad)
+    message = "; ".join(f"{path}: {text}" for path, text in error.value.errors)
+    assert "spec.worldSize" in message
+
+    await ctl.reject(bad, message)
+    await ctl.reject(bad, message)
+    state = ctl.groups[("ns", "g")]
+    assert state.current_status["phase"] == "Failed"
+    conditions = {c["type"]: c for c in state.current_status["conditions"]}
+    assert (
+        conditions["SpecInvalid"]["status"] == "True"
+        and "spec.worldSize" in conditions["SpecInvalid"]["message"]
+    )
+    events = [c for c in kube.calls if c[1] == "events"]
+    assert len(events) == 1, "the same refusal is reported once"
+    assert [c for c in kube.calls if c[1] == "inferenceworkergroups/status"] == [
+        ("patch", "inferenceworkergroups/status", "g")
+    ], "an unchanged status is not written twice"
