@@ -179,3 +179,11 @@ def test_spec_hash_changes_with_content_only() -> None:
     key = labels.SPEC_HASH
     assert a["metadata"]["annotations"][key] == b["metadata"]["annotations"][key]
     assert a["metadata"]["annotations"][key] != c["metadata"]["annotations"][key]
+
+
+def test_scaling_never_changes_the_driver_pod_template() -> None:
+    template = builders.driver_deployment(group(replicas=2))["spec"]["template"]
+    for scaled in (group(replicas=7), group(replicas=2, autoscaling={"enabled": True, "maxReplicas": 12})):
+        assert builders.driver_deployment(scaled)["spec"]["template"] == template
+    env = env_of(template["spec"]["containers"][0])
+    assert env[wiring.REPLICAS] == str(api.MAX_REPLICAS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from iwg_operator import labels
 from iwg_operator.api import wiring
+from iwg_operator.api.v1alpha1 import MAX_REPLICAS
 from iwg_operator.builders.common import (
     ADMIN_TOKEN_KEY,
     CONFIG_MOUNT,
@@ -24,13 +25,6 @@ from iwg_operator.builders.common import (
 )
 
 
-def driver_replicas(group: Group) -> int:
-    autoscaling = group.spec.autoscaling
-    if autoscaling.enabled:
-        return max(group.spec.replicas, autoscaling.max_replicas)
-    return group.spec.replicas
-
-
 def driver_env(group: Group) -> list[Manifest]:
     spec = group.spec
     batching = spec.driver.batching
@@ -43,7 +37,10 @@ def driver_env(group: Group) -> list[Manifest]:
         field_env(wiring.POD_IP, "status.podIP"),
         # The replicas the driver admits: with autoscaling the most it may reach, so that the autoscaler's
         # changes of spec.replicas never change (and so restart) the driver.
-        {"name": wiring.REPLICAS, "value": str(driver_replicas(group))},
+        # The bound on replica indices the driver accepts, not the current count: the driver routes only to
+        # replicas whose workers joined, so scaling (kubectl scale, HPA, the autoscaler) never changes its pod
+        # template, and the driver is never restarted with requests in flight.
+        {"name": wiring.REPLICAS, "value": str(MAX_REPLICAS)},
         {"name": wiring.WORLD_SIZE, "value": str(spec.world_size)},
         {"name": wiring.HTTP_PORT, "value": str(spec.driver.port)},
         {"name": wiring.RPC_ENDPOINT, "value": f"tcp://{bind}:{wiring.DEFAULT_RPC_PORT}"},
