@@ -180,6 +180,14 @@ class Executor(ABC):
         ``loop.call_soon_threadsafe``)."""
         return lambda: None
 
+    def _address_call(self, method: str, replica: int | None, unique_reply_rank: int | None) -> list[int]:
+        """Check a call's method name and addressing before anything is sent; the replicas it goes to."""
+        if not isinstance(method, str) or not method:
+            raise TypeError(f"method must be a method name (str), got {method!r}")
+        targets = self._target_replicas(replica)
+        self._check_reply_rank(unique_reply_rank)
+        return targets
+
     def _target_replicas(self, replica: int | None) -> list[int]:
         if replica is None:
             return list(range(self.replicas))

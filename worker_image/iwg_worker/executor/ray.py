@@ -520,10 +520,7 @@ class RayExecutor(Executor):
         unique_reply_rank: int | None = None,
         replica: int | None = None,
     ) -> Future[Any]:
-        if not isinstance(method, str) or not method:
-            raise TypeError(f"method must be a method name (str), got {method!r}")
-        targets = self._target_replicas(replica)
-        self._check_reply_rank(unique_reply_rank)
+        targets = self._address_call(method, replica, unique_reply_rank)
         call_args, args_bytes = to_ray(list(args), "args")
         call_kwargs, kwargs_bytes = to_ray(dict(kwargs or {}), "kwargs")
         payload_bytes = args_bytes + kwargs_bytes

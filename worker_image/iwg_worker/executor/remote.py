@@ -165,10 +165,7 @@ class RemoteExecutor(Executor):
         unique_reply_rank: int | None = None,
         replica: int | None = None,
     ) -> Future[Any]:
-        if not isinstance(method, str) or not method:
-            raise TypeError(f"method must be a method name (str), got {method!r}")
-        targets = self._target_replicas(replica)
-        self._check_reply_rank(unique_reply_rank)
+        targets = self._address_call(method, replica, unique_reply_rank)
         if self._closed.is_set():
             raise RuntimeError("executor is shut down")
         future: Future[Any] = Future()

@@ -49,8 +49,7 @@ class UniProcExecutor(Executor):
         unique_reply_rank: int | None = None,
         replica: int | None = None,
     ) -> Any:
-        self._target_replicas(replica)
-        self._check_reply_rank(unique_reply_rank)
+        self._address_call(method, replica, unique_reply_rank)
         result = self._call(method, args, kwargs)
         return result if unique_reply_rank is not None else [result]
 
