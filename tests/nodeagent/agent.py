@@ -230,6 +230,7 @@ class ContainerRunner:
                     "working_dir": self.plan.working_dir,
                     "hostname": self.plan.hostname,
                     "mounts": [vars(m) for m in self.plan.mounts],
+                    "image_paths": self.pod.agent.image_paths,
                 }
             )
         )
@@ -540,6 +541,11 @@ class NodeAgent:
             "LANG": "C.UTF-8",
             **config.extra_env,
         }
+        # What stands in for the container image: the Python environment and the PYTHONPATH entries. A pod's
+        # volume (an emptyDir on /tmp, say) must not hide them when the checkout or venv lives under its path.
+        self.image_paths = sorted(
+            {sys.prefix, *filter(None, self.base_env.get("PYTHONPATH", "").split(os.pathsep))}
+        )
         self.pods = Informer(self.api, "/api/v1/pods", self._on_pod)
         self.services = Informer(self.api, "/api/v1/services", self._on_dns_source)
         self.slices = Informer(self.api, "/apis/discovery.k8s.io/v1/endpointslices", self._on_dns_source)

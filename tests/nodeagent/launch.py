@@ -58,6 +58,14 @@ def apply_mount(mount: dict[str, object], source_fds: dict[str, int]) -> None:
         _mount(handle, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
 
 
+def restore_hidden_image(mounts: list[dict[str, object]], image_fds: dict[str, int]) -> None:
+    """Binds the image's paths back where a volume mounted above them (an emptyDir on /tmp) hid them."""
+    for path, fd in image_fds.items():
+        if any(Path(path).is_relative_to(str(m["target"])) for m in mounts):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+
+
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     _check(_libc.unshare(CLONE_NEWUTS), "unshare(CLONE_NEWUTS)")
@@ -67,9 +75,11 @@ def main() -> None:
         for m in plan["mounts"]
         if not m.get("tmpfs_size")
     }
+    image_fds = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in plan.get("image_paths", [])}
     for mount in plan["mounts"]:
         apply_mount(mount, source_fds)
-    for fd in source_fds.values():
+    restore_hidden_image(plan["mounts"], image_fds)
+    for fd in [*source_fds.values(), *image_fds.values()]:
         os.close(fd)
     os.chdir(plan["working_dir"])
     argv = plan["argv"]
