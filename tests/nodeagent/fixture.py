@@ -154,6 +154,8 @@ def node_agent(control_plane: Any, scheduler: Any, controller_manager: Any) -> I
     Module scope: the nodes exist only while a module that asks for them runs, so no other test's pods
     (which expect kwok's pretend nodes) are ever started as real processes.
     """
+    if os.geteuid() != 0:
+        pytest.skip("the node agent needs root (network and mount namespaces); CI runs as root")
     agent = NodeAgentProcess(Path(control_plane.kubeconfig)).start()
     try:
         yield agent
