@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from iwg_worker.driver.batcher import QueuedItem
 from iwg_worker.driver.metrics import DriverMetrics
@@ -116,21 +117,15 @@ class Router:
         return self.pick() is not None
 
     async def wait_for_slot(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.has_slot():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                return False
-        return True
+        return await self._wait_until(self.has_slot, timeout)
 
     async def wait_for_serving(self, timeout: float) -> bool:
+        return await self._wait_until(lambda: bool(self.serving()), timeout)
+
+    async def _wait_until(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Wait for membership changes until `condition()` holds; False once `timeout` has passed."""
         deadline = time.monotonic() + timeout
-        while not self.serving():
+        while not condition():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -186,16 +181,9 @@ class Router:
             _fail(items, ReplicaFailure(f"two replicas failed this batch; last: {last_error}"))
 
     async def _wait_any_serving(self, exclude: frozenset[int]) -> bool:
-        deadline = time.monotonic() + self.no_replica_grace_s
-        while not [r for r in self.serving() if r not in exclude]:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return False
-        return True
+        return await self._wait_until(
+            lambda: any(r not in exclude for r in self.serving()), self.no_replica_grace_s
+        )
 
     async def _execute(self, replica: int, batch: Batch) -> list[ItemResult]:
         self._inflight[replica] = self._inflight.get(replica, 0) + 1
@@ -224,16 +212,7 @@ class Router:
         self._draining.add(replica)
         self._publish(replica)
         self._wake()
-        deadline = time.monotonic() + timeout
-        while self._inflight.get(replica, 0) > 0:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return False
-        return True
+        return await self._wait_until(lambda: self._inflight.get(replica, 0) == 0, timeout)
 
     def undrain(self, replica: int) -> None:
         self._draining.discard(replica)
