@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -15,21 +13,11 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.control_plane import KWOK_STAGES, ControlPlane
 from tests.cluster.gpu_nodes import GPU_PRODUCT, GPU_PRODUCT_LABEL, GPU_RESOURCE
+from tests.cluster.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
 T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
-        time.sleep(0.2)
 
 
 def gpu_pod(name: str, gpus: int, tolerate: bool = True) -> client.V1Pod:

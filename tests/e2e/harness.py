@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,18 +16,9 @@ from iwg_operator.builders.common import driver_name
 from kubernetes import client
 from openai import OpenAI
 
+from tests.cluster.waiting import eventually
+
 T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(interval)
 
 
 def resolve(dns_server: str, name: str) -> list[str]:

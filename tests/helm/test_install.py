@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.control_plane import ControlPlane, free_port
+from tests.cluster.waiting import eventually
 from tests.helm import chart
 from tests.helm.apiproxy import RecordingProxy, Request, rules_used
 
@@ -40,17 +41,6 @@ pytestmark = pytest.mark.cluster
 CRD_NAME = "inferenceworkergroups.inference.iwg.dev"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], what: str, timeout: float = 60) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(0.2)
 
 
 @dataclass
@@ -245,26 +235,28 @@ def _run_operator_through_a_scenario(
             control_plane, release, proxy.url, tmp_path / "sa.kubeconfig"
         )
         operator = OperatorProcess(release, kubeconfig, tmp_path / "operator.log")
-        eventually(lambda: operator.healthy(release.health_port), "the operator's liveness endpoint")
+        eventually(lambda: operator.healthy(release.health_port), 60, "the operator's liveness endpoint")
 
         workload = Workload(control_plane, k8s, workload_ns)
         workload.apply()
-        eventually(lambda: workload.running(2), "the example group running with 2 replicas")
+        eventually(lambda: workload.running(2), 60, "the example group running with 2 replicas")
         control_plane.kubectl("scale", "-n", workload_ns, f"iwg/{workload.name}", "--replicas=3")
-        eventually(lambda: workload.running(3), "scaled up to 3")
+        eventually(lambda: workload.running(3), 60, "scaled up to 3")
         control_plane.kubectl(
             "patch", "-n", workload_ns, f"iwg/{workload.name}", "--type=merge",
             "-p", json.dumps({"spec": {"worker": {"image": "ghcr.io/iwg-dev/iwg-worker:0.1.1"}}}),
         )  # fmt: skip
-        eventually(lambda: workload.running(3, "ghcr.io/iwg-dev/iwg-worker:0.1.1"), "rolled to a new image")
+        eventually(
+            lambda: workload.running(3, "ghcr.io/iwg-dev/iwg-worker:0.1.1"), 60, "rolled to a new image"
+        )
         # Drift: someone edits the group's children; the next spec change puts them back (patch).
         workload.tamper_with_children()
         control_plane.kubectl("scale", "-n", workload_ns, f"iwg/{workload.name}", "--replicas=1")
-        eventually(lambda: workload.running(1), "scaled down to 1")
-        eventually(workload.children_repaired, "the edited children repaired")
+        eventually(lambda: workload.running(1), 60, "scaled down to 1")
+        eventually(workload.children_repaired, 60, "the edited children repaired")
         scraped = _scrape(release.metrics_port)
         control_plane.kubectl("delete", "-n", workload_ns, f"iwg/{workload.name}", "--wait=false")
-        eventually(workload.gone, "the group deleted")
+        eventually(workload.gone, 60, "the group deleted")
         time.sleep(1.0)  # the operator sees the deletion before it stops
     finally:
         exit_code = operator.stop() if operator is not None else None
@@ -358,7 +350,9 @@ def test_install_and_uninstall_leave_only_the_crd(
     assert _exists(control_plane, {"kind": "CustomResourceDefinition", "metadata": {"name": CRD_NAME}})
     # The Deployment's pod is admitted where the restricted Pod Security level is enforced.
     selector = "app.kubernetes.io/name=iwg-operator,app.kubernetes.io/instance=iwg"
-    eventually(lambda: core.list_namespaced_pod(namespace, label_selector=selector).items, "the operator pod")
+    eventually(
+        lambda: core.list_namespaced_pod(namespace, label_selector=selector).items, 60, "the operator pod"
+    )
     status = chart.helm("status", release.name, "--namespace", namespace, env=control_plane.env()).stdout
     assert "STATUS: deployed" in status and "Next steps" in status
 

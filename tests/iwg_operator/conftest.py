@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,17 +18,6 @@ from kubernetes.client.exceptions import ApiException
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
-        time.sleep(0.2)
 
 
 class Groups:

@@ -17,7 +17,8 @@ from iwg_operator.api import v1alpha1 as api
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.iwg_operator.conftest import Groups, eventually
+from tests.cluster.waiting import eventually
+from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,8 @@ from iwg_operator.api import wiring
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.iwg_operator.conftest import Groups, eventually
+from tests.cluster.waiting import eventually
+from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
 

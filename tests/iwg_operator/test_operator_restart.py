@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from iwg_operator import labels
 
-from tests.iwg_operator.conftest import Groups, eventually
+from tests.cluster.waiting import eventually
+from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
 

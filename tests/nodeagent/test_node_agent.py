@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import textwrap
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from tests.cluster.waiting import eventually as _eventually
 from tests.nodeagent import network
 from tests.nodeagent.fixture import NodeAgentProcess
 
@@ -67,17 +67,7 @@ INSPECTOR = textwrap.dedent(
 
 
 def eventually(check: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except (ApiException, OSError, KeyError, ValueError) as error:
-            last_error = error
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last_error})")
+    return _eventually(check, timeout, what, tolerate=(ApiException, OSError, KeyError, ValueError))
 
 
 def get_json(url: str, timeout: float = 3) -> Any:
