@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -205,12 +205,21 @@ class Controller:
                 self._wake_later(state, recheck)
 
     async def reconcile(self, state: GroupState) -> float | None:
-        """One pass; returns seconds until a recheck is needed (pending expectations), or None."""
+        """One pass; returns seconds until a recheck is needed (pending expectations), or None.
+
+        Order: the Secret and ConfigMap the pods mount, the pods (the critical path: scheduling, image pull),
+        the status users watch, then the objects no pod needs to start (driver, Services, NetworkPolicy, PDB).
+        The client's request scheduler keeps the same order across all groups.
+        """
         group = state.group
         assert group is not None
-        # Children and pods are independent API objects: apply both at once (a pod's kubelet waits for
-        # the Secret and ConfigMap it mounts, the API server does not).
-        children = asyncio.create_task(self._ensure_children(state, group))
+        children_hash = stable_hash(
+            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+        )
+        children_due = state.children_hash != children_hash  # unchanged spec: no child is even looked at
+        # A group no operator has reconciled yet has no children: create them without looking first.
+        fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
+        state.children_attempted = state.children_attempted or children_due
         desired = planning.Desired(
             replicas=group.spec.replicas,
             world_size=group.spec.world_size,
@@ -220,21 +229,36 @@ class Controller:
         pods = self._observed_pods(state, desired)
         plan = planning.plan_pods(desired, pods)
         failure: str | None = None
-        try:
-            if not plan.empty:
-                failure = await self._apply_plan(state, group, plan)
-                pods = self._observed_pods(state, desired)
-                plan = planning.plan_pods(desired, pods)
-        finally:
+        if children_due:
             try:
-                await children
+                await self._ensure_mounted(group, fresh)
             except ReconcileRefused as error:
-                failure = failure or str(error)
+                failure = str(error)  # pods would mount objects that are not the group's: create none
+        if failure is None and not plan.empty:
+            failure = await self._apply_plan(state, group, plan)
+            pods = self._observed_pods(state, desired)
+            plan = planning.plan_pods(desired, pods)
 
-        new_status = status.group_status(
-            group.name, group.generation, desired, pods, plan, state.current_status, now_rfc3339(), failure
-        )
-        await self._write_status(state, new_status)
+        def current_status() -> status.Status:
+            return status.group_status(
+                group.name,
+                group.generation,
+                desired,
+                pods,
+                plan,
+                state.current_status,
+                now_rfc3339(),
+                failure,
+            )
+
+        await self._write_status(state, current_status())
+        if children_due and not failure:
+            try:
+                await self._ensure_support(group, fresh)
+                state.children_hash = children_hash
+            except ReconcileRefused as error:
+                failure = str(error)
+                await self._write_status(state, current_status())
         await self._report_unschedulable(state, pods)
         if failure is not None:
             await self._event(state, "Warning", "ReconcileFailed", failure)
@@ -343,35 +367,23 @@ class Controller:
             wave *= 2
         return created, None
 
-    async def _ensure_children(self, state: GroupState, group: builders.Group) -> None:
-        """Secret, ConfigMap, Services, driver Deployment, NetworkPolicy, PDB: create or update as needed.
-
-        Skipped entirely while the spec (and so every desired child) is unchanged since the last success.
-        """
-        desired_hash = stable_hash(
-            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+    async def _ensure_mounted(self, group: builders.Group, fresh: bool) -> None:
+        """The Secret and ConfigMap the pods mount: before the pods, so that no kubelet waits for them."""
+        await _all_of(
+            self._ensure_secret(group, fresh),
+            self._ensure_child(group, CONFIG_MAPS, builders.config_map(group, self.settings), fresh),
         )
-        if state.children_hash == desired_hash:
-            return
-        # A group no operator has reconciled yet has no children: create them without looking first.
-        fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
-        state.children_attempted = True
-        await self._ensure_secret(group, fresh)
+
+    async def _ensure_support(self, group: builders.Group, fresh: bool) -> None:
+        """Services, driver Deployment, NetworkPolicy, PDB: create, or apply what changed."""
         children: list[tuple[Resource, builders.Manifest]] = [
-            (CONFIG_MAPS, builders.config_map(group, self.settings)),
             (SERVICES, builders.headless_service(group)),
             (SERVICES, builders.driver_service(group)),
             (DEPLOYMENTS, builders.driver_deployment(group)),
             (NETWORK_POLICIES, builders.network_policy(group, self.settings)),
             (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
         ]
-        results = await gather_limited(
-            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m, fresh) for resource, m in children)
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        state.children_hash = desired_hash
+        await _all_of(*(self._ensure_child(group, resource, m, fresh) for resource, m in children))
 
     async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)
@@ -476,6 +488,13 @@ class Controller:
             await self.kube.create(EVENTS, namespace, event)
         except ApiError as error:  # an event is worth a log line, not a failed reconcile
             log.warning("event %s on %s/%s not posted: %s", reason, namespace, name, error)
+
+
+async def _all_of(*calls: Awaitable[None]) -> None:
+    """Run all to the end (none is left half-sent), then raise the first failure."""
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _key(body: Mapping[str, Any]) -> GroupKey:

@@ -8,11 +8,15 @@ and counts every request by verb, resource and status code (`RequestCounter`, al
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import json
 import ssl
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import aiohttp
@@ -21,6 +25,8 @@ from iwg_operator import metrics
 from iwg_operator.api import v1alpha1 as api
 
 FIELD_MANAGER = "iwg-operator"
+# Requests in flight to the API server at once, all groups together (the rest wait in priority order).
+MAX_IN_FLIGHT = 16
 
 WRITE_VERBS = frozenset({"create", "apply", "patch", "delete"})
 
@@ -69,6 +75,69 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
     GROUPS: ("patch",),  # the status subresource, and spec.replicas by the autoscaler
 }
+
+
+class Priority(IntEnum):
+    """Which requests go first when more wait than may be in flight (lower first).
+
+    Pods are the critical path of a group (scheduling, image pull, model load): the objects they mount go
+    before them, status and Events (what users watch) after them, and objects no pod needs to start
+    (driver, Services, NetworkPolicy, PDB) last.
+    """
+
+    MOUNTED_BY_PODS = 0
+    PODS = 1
+    STATUS = 2
+    SUPPORT = 3
+
+
+PRIORITIES: dict[Resource, Priority] = {
+    SECRETS: Priority.MOUNTED_BY_PODS,
+    CONFIG_MAPS: Priority.MOUNTED_BY_PODS,
+    PODS: Priority.PODS,
+    GROUPS: Priority.STATUS,
+    EVENTS: Priority.STATUS,
+}
+
+
+class RequestScheduler:
+    """At most `limit` requests in flight; the waiting ones start in priority order, first come first within one.
+
+    Hundreds of groups reconciling at once would otherwise put their requests to the API server in whatever
+    order the event loop runs them, and a supporting object of one group would delay the pods of another.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrival = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int) -> AsyncIterator[None]:
+        if self.in_flight < self.limit and not self._waiting:
+            self.in_flight += 1
+        else:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (priority, next(self._arrival), turn))
+            try:
+                await turn  # a finishing request hands its slot over (in_flight stays counted)
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._release()  # handed a slot in the same moment as cancelled: pass it on
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            _, _, turn = heapq.heappop(self._waiting)
+            if not turn.done():  # a cancelled waiter is skipped
+                turn.set_result(None)
+                return
+        self.in_flight -= 1
 
 
 class ApiError(Exception):
@@ -164,9 +233,16 @@ class Connection:
 class KubeApi:
     """Async access to the operator's resources; every request is counted."""
 
-    def __init__(self, connection: Connection, max_connections: int = 64, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        connection: Connection,
+        max_connections: int = 64,
+        timeout: float = 30.0,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
         self.connection = connection
         self.requests = RequestCounter()
+        self.scheduler = RequestScheduler(max_in_flight)
         # Per-socket limits, not a total: under load a request may wait for a pooled connection a while.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._max_connections = max_connections
@@ -202,9 +278,11 @@ class KubeApi:
     ) -> dict[str, Any]:
         data = json.dumps(body) if body is not None else None
         headers = {"Content-Type": content_type} if data is not None else None
-        async with self._client().request(
-            method, path, data=data, headers=headers, params=params
-        ) as response:
+        priority = PRIORITIES.get(resource, Priority.SUPPORT)
+        async with (
+            self.scheduler.slot(priority),
+            self._client().request(method, path, data=data, headers=headers, params=params) as response,
+        ):
             self.requests.add(verb, resource.plural, response.status)
             text = await response.text()
             if response.status >= 400:

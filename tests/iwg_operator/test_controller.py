@@ -148,3 +148,22 @@ async def test_invalid_spec_is_marked_once() -> None:
     assert [c for c in kube.calls if c[1] == "inferenceworkergroups/status"] == [
         ("patch", "inferenceworkergroups/status", "g")
     ], "an unchanged status is not written twice"
+
+
+async def test_first_pass_order_mounted_objects_then_pods_then_status_then_the_rest() -> None:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    group_body = body(replicas=2, worldSize=2)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    await ctl.reconcile(state)
+
+    def position(plural: str, last: bool = False) -> int:
+        indices = [i for i, (_, p, _) in enumerate(kube.calls) if p == plural]
+        assert indices, plural
+        return indices[-1] if last else indices[0]
+
+    mounted = max(position("secrets", last=True), position("configmaps", last=True))
+    assert mounted < position("pods"), "a pod's kubelet never waits for the objects it mounts"
+    assert position("pods", last=True) < position("inferenceworkergroups/status")
+    for later in ("deployments", "services", "networkpolicies", "poddisruptionbudgets"):
+        assert position("inferenceworkergroups/status") < position(later), later
