@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -207,8 +207,9 @@ class Controller:
     async def reconcile(self, state: GroupState) -> float | None:
         """One pass; returns seconds until a recheck is needed (pending expectations), or None.
 
-        Order: the Secret and ConfigMap the pods mount, the pods (the critical path: scheduling, image pull),
-        the status users watch, then the objects no pod needs to start (driver, Services, NetworkPolicy, PDB).
+        Order: the Secret the pods mount, the pods (the critical path: scheduling, image pull, model load),
+        the status users watch, then what no pod needs to start (driver, Services, NetworkPolicy, PDB,
+        ConfigMap).
         The client's request scheduler keeps the same order across all groups.
         """
         group = state.group
@@ -231,9 +232,9 @@ class Controller:
         failure: str | None = None
         if children_due:
             try:
-                await self._ensure_mounted(group, fresh)
+                await self._ensure_secret(group, fresh)
             except ReconcileRefused as error:
-                failure = str(error)  # pods would mount objects that are not the group's: create none
+                failure = str(error)  # pods would mount keys that are not the group's: create none
         if failure is None and not plan.empty:
             failure = await self._apply_plan(state, group, plan)
             pods = self._observed_pods(state, desired)
@@ -367,23 +368,22 @@ class Controller:
             wave *= 2
         return created, None
 
-    async def _ensure_mounted(self, group: builders.Group, fresh: bool) -> None:
-        """The Secret and ConfigMap the pods mount: before the pods, so that no kubelet waits for them."""
-        await _all_of(
-            self._ensure_secret(group, fresh),
-            self._ensure_child(group, CONFIG_MAPS, builders.config_map(group, self.settings), fresh),
-        )
-
     async def _ensure_support(self, group: builders.Group, fresh: bool) -> None:
-        """Services, driver Deployment, NetworkPolicy, PDB: create, or apply what changed."""
+        """ConfigMap, Services, driver Deployment, NetworkPolicy, PDB: create, or apply what changed."""
         children: list[tuple[Resource, builders.Manifest]] = [
+            (CONFIG_MAPS, builders.config_map(group, self.settings)),
             (SERVICES, builders.headless_service(group)),
             (SERVICES, builders.driver_service(group)),
             (DEPLOYMENTS, builders.driver_deployment(group)),
             (NETWORK_POLICIES, builders.network_policy(group, self.settings)),
             (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
         ]
-        await _all_of(*(self._ensure_child(group, resource, m, fresh) for resource, m in children))
+        results = await gather_limited(
+            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m, fresh) for resource, m in children)
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)
@@ -488,13 +488,6 @@ class Controller:
             await self.kube.create(EVENTS, namespace, event)
         except ApiError as error:  # an event is worth a log line, not a failed reconcile
             log.warning("event %s on %s/%s not posted: %s", reason, namespace, name, error)
-
-
-async def _all_of(*calls: Awaitable[None]) -> None:
-    """Run all to the end (none is left half-sent), then raise the first failure."""
-    for result in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result
 
 
 def _key(body: Mapping[str, Any]) -> GroupKey:

@@ -82,7 +82,7 @@ class Priority(IntEnum):
 
     Pods are the critical path of a group (scheduling, image pull, model load): the objects they mount go
     before them, status and Events (what users watch) after them, and objects no pod needs to start
-    (driver, Services, NetworkPolicy, PDB) last.
+    (driver, Services, NetworkPolicy, PDB, ConfigMap) last.
     """
 
     MOUNTED_BY_PODS = 0
@@ -93,7 +93,6 @@ class Priority(IntEnum):
 
 PRIORITIES: dict[Resource, Priority] = {
     SECRETS: Priority.MOUNTED_BY_PODS,
-    CONFIG_MAPS: Priority.MOUNTED_BY_PODS,
     PODS: Priority.PODS,
     GROUPS: Priority.STATUS,
     EVENTS: Priority.STATUS,

@@ -150,7 +150,7 @@ async def test_invalid_spec_is_marked_once() -> None:
     ], "an unchanged status is not written twice"
 
 
-async def test_first_pass_order_mounted_objects_then_pods_then_status_then_the_rest() -> None:
+async def test_first_pass_order_mounted_secret_then_pods_then_status_then_the_rest() -> None:
     kube = RecordingKube()
     ctl = controller(kube)
     group_body = body(replicas=2, worldSize=2)
@@ -162,8 +162,7 @@ async def test_first_pass_order_mounted_objects_then_pods_then_status_then_the_r
         assert indices, plural
         return indices[-1] if last else indices[0]
 
-    mounted = max(position("secrets", last=True), position("configmaps", last=True))
-    assert mounted < position("pods"), "a pod's kubelet never waits for the objects it mounts"
+    assert position("secrets", last=True) < position("pods"), "a pod's kubelet never waits for its Secret"
     assert position("pods", last=True) < position("inferenceworkergroups/status")
-    for later in ("deployments", "services", "networkpolicies", "poddisruptionbudgets"):
+    for later in ("deployments", "services", "networkpolicies", "poddisruptionbudgets", "configmaps"):
         assert position("inferenceworkergroups/status") < position(later), later

@@ -14,7 +14,6 @@ from iwg_operator.api import wiring
 Manifest = dict[str, Any]
 
 CURVE_MOUNT = "/etc/iwg/curve"
-CONFIG_MOUNT = "/etc/iwg/config"
 ADMIN_TOKEN_KEY = "admin.token"
 CONFIG_KEY = "group.json"
 RUN_AS_USER = 1000

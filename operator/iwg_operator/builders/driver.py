@@ -7,11 +7,9 @@ from iwg_operator.api import wiring
 from iwg_operator.api.v1alpha1 import MAX_REPLICAS
 from iwg_operator.builders.common import (
     ADMIN_TOKEN_KEY,
-    CONFIG_MOUNT,
     CURVE_MOUNT,
     Group,
     Manifest,
-    config_map_name,
     driver_name,
     field_env,
     metadata,
@@ -87,7 +85,6 @@ def driver_deployment(group: Group) -> Manifest:
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True},
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             *model_mounts,
         ],
     }
@@ -113,7 +110,6 @@ def driver_deployment(group: Group) -> Manifest:
                             "name": "curve",
                             "secret": {"secretName": secret_name(group.name), "defaultMode": 0o440},
                         },
-                        {"name": "config", "configMap": {"name": config_map_name(group.name)}},
                         *model_volumes,
                     ],
                 },

@@ -65,7 +65,10 @@ def curve_secret(group: Group, public_key: bytes, secret_key: bytes, admin_token
 
 
 def config_map(group: Group, settings: BuildSettings) -> Manifest:
-    """The validated spec (defaults filled in) and revision, for the processes in the group's pods."""
+    """The validated spec (defaults filled in) and revision: a record for people and tools.
+
+    No pod mounts it (every process gets its wiring from env and the Secret), so no pod waits for it.
+    """
     manifest: Manifest = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -7,12 +7,10 @@ import copy
 from iwg_operator import labels
 from iwg_operator.api import wiring
 from iwg_operator.builders.common import (
-    CONFIG_MOUNT,
     CURVE_MOUNT,
     BuildSettings,
     Group,
     Manifest,
-    config_map_name,
     driver_host,
     field_env,
     headless_service_name,
@@ -167,7 +165,6 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True},
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             *model_mounts,
         ],
     }
@@ -194,7 +191,6 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
                     ],
                 },
             },
-            {"name": "config", "configMap": {"name": config_map_name(group.name)}},
             *model_volumes,
         ],
     }
