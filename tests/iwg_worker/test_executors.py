@@ -12,6 +12,7 @@ import asyncio
 import os
 import pickle
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ class Cluster:
     processes: dict[int, subprocess.Popen[bytes]]
     logs: dict[int, Path]
     events: list[MembershipEvent]
+    callback_threads: set[str]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,13 @@ def cluster_launched(minilm_path: str, tmp_path_factory: pytest.TempPathFactory)
         heartbeat_interval_s=HEARTBEAT_S,
     )
     events: list[MembershipEvent] = []
-    executor.subscribe(events.append)
+    callback_threads: set[str] = set()
+
+    def record(event: MembershipEvent) -> None:
+        events.append(event)
+        callback_threads.add(threading.current_thread().name)
+
+    executor.subscribe(record)
     processes, logs = {}, {}
     for replica in range(2):
         # Replica 0 serves MiniLM; replica 1 (killed by a test) serves RPC only, to start faster.
@@ -94,7 +102,7 @@ def cluster_launched(minilm_path: str, tmp_path_factory: pytest.TempPathFactory)
         logs[replica] = root / f"worker-{replica}.log"
         processes[replica] = launch_worker(env, logs[replica])
     try:
-        yield Cluster(executor, keys, processes, logs, events)
+        yield Cluster(executor, keys, processes, logs, events, callback_threads)
     finally:
         for proc in processes.values():
             if proc.poll() is None:
@@ -257,7 +265,9 @@ def test_malformed_frames_to_a_worker_are_rejected_logged_and_it_keeps_serving(c
     executor = cluster.executor
     port = _health_port(executor, 0)
     rejected_before = _metric(port, "iwg_worker_rejected_messages_total")
-    valid = [bytes(memoryview(f)) for f in protocol.encode_call(10**9, "echo", [torch.ones(4)])]
+    # One inline tensor and one framed, so mutations hit both kinds of tensor descriptor.
+    big = torch.ones(protocol.INLINE_TENSOR_MAX_BYTES)
+    valid = [bytes(memoryview(f)) for f in protocol.encode_call(10**9, "echo", [torch.ones(4), big])]
     sent = []
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -323,19 +333,65 @@ def test_health_endpoints(cluster: Cluster) -> None:
 # -- losing workers (runs last: the killed replica does not come back) -----------------------------------------
 
 
+def test_blocking_callers_on_threads_and_futures_all_get_their_own_replies(cluster: Cluster) -> None:
+    """Blocking callers receive replies themselves (for each other too) while futures wait on the I/O
+    thread; a slow call on one replica holds up neither."""
+    executor = cluster.executor
+    slow = executor.collective_rpc_future("sleep", (3.0,), replica=1, timeout=30)
+    results: dict[int, list[object]] = {}
+
+    def caller(n: int) -> None:
+        results[n] = [
+            executor.collective_rpc("echo", (n, i, torch.full((3,), float(i))), replica=0, timeout=30)
+            for i in range(40)
+        ]
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    futures = [executor.collective_rpc_future("echo", (i,), replica=0, timeout=30) for i in range(20)]
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [f.result(timeout=30) for f in futures] == [[[i]] for i in range(20)]
+    for n in range(4):
+        assert len(results[n]) == 40
+        for i, reply in enumerate(results[n]):
+            assert isinstance(reply, list)
+            [[got_n, got_i, tensor]] = reply
+            assert (got_n, got_i) == (n, i) and torch.equal(tensor, torch.full((3,), float(i)))
+    assert not slow.done()
+    assert slow.result(timeout=30) == [3.0]
+
+
 def test_killed_worker_fails_the_pending_call_within_the_heartbeat_timeout(cluster: Cluster) -> None:
     executor = cluster.executor
+    errors: list[BaseException] = []
+
+    def blocking_call() -> None:
+        try:
+            executor.collective_rpc("sleep", (30.0,), replica=1, timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    # Two calls wait on the worker: one blocked in collective_rpc (its thread receives on the socket),
+    # one future (the I/O thread receives). Both must fail when it dies.
+    caller = threading.Thread(target=blocking_call)
+    caller.start()
     pending = executor.collective_rpc_future("sleep", (30.0,), replica=1, timeout=60)
-    time.sleep(0.2)
+    time.sleep(0.3)
     killed_at = time.monotonic()
     cluster.processes[1].kill()
     with pytest.raises(ReplicaLostError) as info:
         pending.result(timeout=executor.heartbeat_timeout_s + 5)
+    caller.join(timeout=executor.heartbeat_timeout_s + 5)
     assert time.monotonic() - killed_at <= executor.heartbeat_timeout_s + 0.5
+    assert len(errors) == 1 and isinstance(errors[0], ReplicaLostError)
     assert info.value.method == "sleep" and info.value.replica == 1 and info.value.ranks == [0]
     assert "'sleep'" in str(info.value) and "replica 1" in str(info.value)
     assert 1 not in executor.serving_replicas()
     assert any(e.kind == "lost" and e.replica == 1 for e in cluster.events)
+    # Membership callbacks ran on the I/O thread only, though blocking callers received messages too.
+    assert cluster.callback_threads == {"iwg-executor-io"}
     assert executor.collective_rpc("echo", ("others serve",), replica=0, timeout=30) == [["others serve"]]
 
 

@@ -19,7 +19,12 @@ def _wire(frames: list[object]) -> list[zmq.Frame]:
     return [zmq.Frame(bytes(memoryview(f))) if not isinstance(f, bytes) else zmq.Frame(f) for f in frames]
 
 
-def test_call_round_trip_keeps_tensors_dtypes_and_shapes() -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["small tensors inline", "every tensor framed"])
+def test_call_round_trip_keeps_tensors_dtypes_and_shapes(
+    inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not inline:
+        monkeypatch.setattr(protocol, "INLINE_TENSOR_MAX_BYTES", 0)
     args = [
         torch.arange(12, dtype=torch.float32).reshape(3, 4),
         torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
@@ -28,7 +33,8 @@ def test_call_round_trip_keeps_tensors_dtypes_and_shapes() -> None:
         {"nested": [torch.ones(2, dtype=torch.int8), "text", 3, None, b"raw"]},
     ]
     frames = protocol.encode_call(7, "echo", args, {"k": torch.zeros(1)}, reply_rank=1, deadline=12.5)
-    assert len(frames) == 1 + 6  # header + one frame per tensor
+    # Inline: everything in the header. Framed: one frame per tensor but the empty one (0 bytes is inline).
+    assert len(frames) == (1 if inline else 1 + 5)
     message = protocol.decode(_wire(frames))
     assert isinstance(message, protocol.Call)
     assert (message.id, message.method, message.reply_rank, message.deadline) == (7, "echo", 1, 12.5)
@@ -42,8 +48,23 @@ def test_call_round_trip_keeps_tensors_dtypes_and_shapes() -> None:
     assert torch.equal(message.kwargs["k"], torch.zeros(1))
 
 
+def test_tensors_travel_inline_up_to_the_limit_and_framed_above_it() -> None:
+    limit = protocol.INLINE_TENSOR_MAX_BYTES
+    at_limit, above = torch.ones(limit, dtype=torch.uint8), torch.ones(limit + 1, dtype=torch.uint8)
+    assert len(protocol.encode_call(1, "echo", [at_limit])) == 1
+    assert len(protocol.encode_call(1, "echo", [above])) == 2
+    # An inline tensor arrives as its own writable memory, like a framed one; a non-contiguous one arrives
+    # with the right values.
+    strided = torch.arange(20, dtype=torch.float32).reshape(4, 5).t()
+    decoded = protocol.decode(_wire(protocol.encode_call(1, "echo", [at_limit, strided])))
+    assert isinstance(decoded, protocol.Call)
+    got, got_strided = decoded.args
+    got += 1
+    assert torch.equal(got, at_limit + 1) and torch.equal(got_strided, strided)
+
+
 def test_tensor_frames_are_not_copied() -> None:
-    tensor = torch.arange(1024, dtype=torch.float32)
+    tensor = torch.arange(protocol.INLINE_TENSOR_MAX_BYTES // 4 + 1, dtype=torch.float32)
     frames = protocol.encode_call(1, "echo", [tensor])
     # Sender side: the frame is a view on the tensor's memory.
     assert np.frombuffer(frames[1], dtype=np.uint8).ctypes.data == tensor.data_ptr()
@@ -111,6 +132,26 @@ def test_unsendable_objects_are_refused_at_the_sender() -> None:
             "dtype 'object' is not allowed",
         ),
         ([msgpack.packb({"kind": "ping", "ts": msgpack.ExtType(9, b"")})], "extension type 9"),
+        (
+            [
+                msgpack.packb(
+                    {"kind": "ping", "ts": msgpack.ExtType(2, msgpack.packb(["pt", "uint8", [4], b"abc"]))}
+                )
+            ],
+            "inline tensor holds 3 bytes",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {"kind": "ping", "ts": msgpack.ExtType(2, msgpack.packb(["pt", "uint8", [3], "abc"]))}
+                )
+            ],
+            "must be msgpack bin",
+        ),
+        (
+            [msgpack.packb({"kind": "ping", "ts": msgpack.ExtType(2, msgpack.packb(["pt", "uint8", [3]]))})],
+            r"\[kind, dtype, shape, bytes\]",
+        ),
     ],
 )
 def test_malformed_messages_are_rejected_with_a_reason(frames: list[bytes], reason: str) -> None:
@@ -118,7 +159,13 @@ def test_malformed_messages_are_rejected_with_a_reason(frames: list[bytes], reas
         protocol.decode(_wire(frames))
 
 
-_VALID = protocol.encode_call(5, "execute_model", [{"inputs": ["a"]}, torch.ones(3)], {"x": 1})
+# One inline tensor and one framed: the fuzzer mutates both kinds of descriptor.
+_VALID = protocol.encode_call(
+    5,
+    "execute_model",
+    [{"inputs": ["a"]}, torch.ones(3), torch.ones(protocol.INLINE_TENSOR_MAX_BYTES)],
+    {"x": 1},
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,7 +3,10 @@
 A message is a ZMQ multipart: frame 0 is a msgpack map (the header), frames 1..n are raw buffers of the
 tensors the header refers to. A tensor inside ``args``/``kwargs``/``result`` is encoded in the header as a
 msgpack extension (code ``TENSOR_EXT``) holding ``[frame_index, kind, dtype, shape]``; its bytes travel in
-their own frame, sent without a copy. Nothing else is allowed: no pickle, no callables, no object graph.
+their own frame, sent without a copy. A tensor of at most ``INLINE_TENSOR_MAX_BYTES`` travels inside the
+header instead (code ``TENSOR_INLINE_EXT``, holding ``[kind, dtype, shape, bytes]``): below ZMQ's own copy
+threshold a separate frame saves no copy and costs more than the bytes. Nothing else is allowed: no pickle,
+no callables, no object graph.
 
 Message kinds and their header keys (every key required, no others allowed):
 
@@ -32,6 +35,8 @@ import msgpack
 import numpy as np
 
 TENSOR_EXT: Final = 1
+TENSOR_INLINE_EXT: Final = 2
+INLINE_TENSOR_MAX_BYTES: Final = 8 * 1024
 MAX_HEADER_BYTES: Final = 64 * 1024 * 1024
 MAX_FRAMES: Final = 4096
 
@@ -149,8 +154,15 @@ def _torch_module() -> Any:
     return torch
 
 
+@functools.cache
+def _torch_tensor_type() -> type:
+    return _torch_module().Tensor  # type: ignore[no-any-return]
+
+
 def _is_torch_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+    # Only an object from a torch module can be a tensor; checking that first keeps torch unimported in
+    # processes that never send one (the operator).
+    return type(obj).__module__.startswith("torch") and isinstance(obj, _torch_tensor_type())
 
 
 class _Encoder:
@@ -161,7 +173,9 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            return self._tensor(_KIND_NUMPY, obj)
+            if obj.dtype.name not in _NUMPY_DTYPES:
+                raise TypeError(f"cannot send an array of dtype {obj.dtype}")
+            return self._array(_KIND_NUMPY, obj.dtype.name, obj)
         if _is_torch_tensor(obj):
             return self._torch(obj)
         if isinstance(obj, tuple):
@@ -173,11 +187,10 @@ class _Encoder:
         )
 
     def _torch(self, tensor: Any) -> msgpack.ExtType:
-        if tensor.device.type == "cpu" and not tensor.requires_grad and tensor.is_contiguous():
+        if tensor.is_cpu and not tensor.requires_grad:
             dtype = _torch_numpy_dtypes().get(tensor.dtype)
             if dtype is not None:  # fast path: one call to torch, the rest in numpy
-                array = tensor.numpy()
-                return self._frame(_KIND_TORCH, dtype, list(array.shape), array.reshape(-1).view(np.uint8))
+                return self._array(_KIND_TORCH, dtype, tensor.numpy())
         torch = _torch_module()
         tensor = tensor.detach()
         if tensor.device.type != "cpu":
@@ -186,16 +199,18 @@ class _Encoder:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _ITEMSIZE:
             raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
-        shape = list(tensor.shape)
-        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-        return self._frame(_KIND_TORCH, dtype, shape, raw)
+        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+        return self._array(_KIND_TORCH, dtype, raw, list(tensor.shape))
 
-    def _tensor(self, kind: str, array: np.ndarray[Any, Any]) -> msgpack.ExtType:
-        dtype = array.dtype.name
-        if dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"cannot send an array of dtype {array.dtype}")
+    def _array(
+        self, kind: str, dtype: str, array: np.ndarray[Any, Any], shape: list[int] | None = None
+    ) -> msgpack.ExtType:
+        """``array`` holds the tensor's bytes (its own shape unless ``shape`` is given)."""
+        shape = list(array.shape) if shape is None else shape
+        if array.nbytes <= INLINE_TENSOR_MAX_BYTES:
+            return msgpack.ExtType(TENSOR_INLINE_EXT, msgpack.packb([kind, dtype, shape, array.tobytes()]))
         array = np.ascontiguousarray(array)
-        return self._frame(kind, dtype, list(array.shape), array.reshape(-1).view(np.uint8))
+        return self._frame(kind, dtype, shape, array.reshape(-1).view(np.uint8))
 
     def _frame(self, kind: str, dtype: str, shape: list[int], raw: Any) -> msgpack.ExtType:
         index = len(self.frames)
@@ -285,33 +300,56 @@ class _Decoder:
         self.used = 0
 
     def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == TENSOR_INLINE_EXT:
+            spec = self._spec(data)
+            if len(spec) != 4:
+                raise ProtocolError("inline tensor must be [kind, dtype, shape, bytes]")
+            kind, dtype, shape, raw = spec
+            if not isinstance(raw, bytes):
+                raise ProtocolError("inline tensor bytes must be msgpack bin")
+            _check_tensor(kind, dtype, shape, len(raw), "inline tensor")
+            return _tensor_from(kind, dtype, shape, bytearray(raw))  # writable, like any received tensor
         if code != TENSOR_EXT:
             raise ProtocolError(f"unknown msgpack extension type {code}")
-        try:
-            spec = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-        except Exception as exc:
-            raise ProtocolError(f"malformed tensor descriptor: {exc}") from None
-        if not (isinstance(spec, list) and len(spec) == 4):
+        spec = self._spec(data)
+        if len(spec) != 4:
             raise ProtocolError("tensor descriptor must be [frame, kind, dtype, shape]")
         index, kind, dtype, shape = spec
         if type(index) is not int or not 0 <= index < len(self.frames):
             raise ProtocolError(f"tensor frame index {index!r} out of range ({len(self.frames)} frames)")
-        if kind not in (_KIND_NUMPY, _KIND_TORCH):
-            raise ProtocolError(f"unknown tensor kind {kind!r}")
-        if dtype not in _ITEMSIZE or (kind == _KIND_NUMPY and dtype not in _NUMPY_DTYPES):
-            raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) or len(shape) > 32:
-            raise ProtocolError(f"tensor shape {shape!r} is not a list of non-negative ints")
         buf = _buffer(self.frames[index])
-        if len(buf) != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise ProtocolError(
-                f"tensor frame {index} holds {len(buf)} bytes, shape {shape} of {dtype} needs "
-                f"{math.prod(shape) * _ITEMSIZE[dtype]}"
-            )
+        _check_tensor(kind, dtype, shape, len(buf), f"tensor frame {index}")
         self.used += 1
-        if kind == _KIND_NUMPY:
-            return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
-        return _torch_from_buffer(buf, dtype, shape)
+        return _tensor_from(kind, dtype, shape, buf)
+
+    @staticmethod
+    def _spec(data: bytes) -> list[Any]:
+        try:
+            spec = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:
+            raise ProtocolError(f"malformed tensor descriptor: {exc}") from None
+        if not isinstance(spec, list):
+            raise ProtocolError("tensor descriptor must be a list")
+        return spec
+
+
+def _check_tensor(kind: Any, dtype: Any, shape: Any, nbytes: int, what: str) -> None:
+    if kind not in (_KIND_NUMPY, _KIND_TORCH):
+        raise ProtocolError(f"unknown tensor kind {kind!r}")
+    if dtype not in _ITEMSIZE or (kind == _KIND_NUMPY and dtype not in _NUMPY_DTYPES):
+        raise ProtocolError(f"tensor dtype {dtype!r} is not allowed")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) or len(shape) > 32:
+        raise ProtocolError(f"tensor shape {shape!r} is not a list of non-negative ints")
+    if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
+        raise ProtocolError(
+            f"{what} holds {nbytes} bytes, shape {shape} of {dtype} needs {math.prod(shape) * _ITEMSIZE[dtype]}"
+        )
+
+
+def _tensor_from(kind: str, dtype: str, shape: list[int], buf: Any) -> Any:
+    if kind == _KIND_NUMPY:
+        return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
+    return _torch_from_buffer(buf, dtype, shape)
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -325,7 +363,7 @@ def _buffer(frame: Any) -> memoryview:
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
-def _torch_from_buffer(buf: memoryview, dtype: str, shape: list[int]) -> Any:
+def _torch_from_buffer(buf: Any, dtype: str, shape: list[int]) -> Any:
     torch = _torch_module()
     if len(buf) == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))

@@ -312,23 +312,26 @@ class WorkerProc:
     # -- busy loop -------------------------------------------------------------------------------------
 
     def worker_busy_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.rpc_broadcast_mq, zmq.POLLIN)
+        sock = self.rpc_broadcast_mq
+        sock.rcvtimeo = 100  # wake up to notice SIGTERM and to keep the liveness tick fresh
         while not self._stopping.is_set():
             self._loop_tick = time.monotonic()
-            if not poller.poll(100):
+            try:
+                frames: list[Any] = [sock.recv()]  # the header is small: a copy beats a zmq.Frame
+            except zmq.Again:
                 continue
-            frames = self.rpc_broadcast_mq.recv_multipart(copy=False)
+            while sock.rcvmore:
+                frames.append(sock.recv(copy=False))  # tensor frames arrive without a copy
             try:
                 message = protocol.decode(frames)
             except protocol.ProtocolError as exc:
                 self.metrics.rejected.inc()
                 log.warning("rejected a malformed message (%d frames): %s", len(frames), exc)
                 continue
-            if isinstance(message, protocol.Ping):
-                self._last_ping = time.monotonic()
-            elif isinstance(message, protocol.Call):
+            if isinstance(message, protocol.Call):
                 self._serve(message)
+            elif isinstance(message, protocol.Ping):
+                self._last_ping = time.monotonic()
             else:
                 self.metrics.rejected.inc()
                 log.warning("rejected a %s message on the request socket", type(message).__name__)

@@ -1,9 +1,14 @@
 """`RemoteExecutor`: the ZMQ side of a group, shared by `MultiprocExecutor` (ipc) and `ClusterExecutor` (tcp).
 
 It binds two sockets that workers connect to: ``rpc`` (ROUTER; calls and pings go out to each worker by its
-routing id) and ``response`` (PULL; hellos, heartbeats, replies and goodbyes come in). An I/O thread owns the
-response socket, the membership and the timers; callers send calls themselves under a lock, so a call costs
-no thread hop on the way out.
+routing id) and ``response`` (PULL; hellos, heartbeats, replies and goodbyes come in). Callers send calls
+themselves under a lock, so a call costs no thread hop on the way out. An I/O thread runs the timers and the
+membership, and receives replies for callers that do not wait (futures, asyncio). A caller blocked in
+`collective_rpc` receives replies itself while it waits (whichever thread holds the receive lock drains the
+response socket and completes every call it finds a reply for), so a blocking call costs no thread hop on the
+way back either: the hand-off from an I/O thread to the waiting caller cost more than the rest of a small
+call. Other messages a caller receives (hellos, heartbeats, goodbyes) go to the I/O thread, so membership
+changes and their callbacks stay on that one thread.
 
 Membership: a worker is a member from its hello (or a heartbeat, so a restarted driver relearns its workers)
 until its goodbye, a failed ping (its connection is gone), or ``heartbeat_interval_s * heartbeat_misses``
@@ -13,6 +18,8 @@ pending calls fail with `ReplicaLostError` and other replicas keep serving.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -102,6 +109,7 @@ class RemoteExecutor(Executor):
             sock.linger = 0
             if keys is not None:
                 make_server(sock, keys)
+        self._response.rcvtimeo = _TICK_MS  # a caller receiving for itself looks up once a tick
         self._rpc.bind(rpc_endpoint)
         self._response.bind(response_endpoint)
         self.rpc_endpoint: str = self._rpc.get_string(zmq.LAST_ENDPOINT)
@@ -109,6 +117,13 @@ class RemoteExecutor(Executor):
 
         self._lock = threading.Lock()  # membership and pending calls
         self._send_lock = threading.Lock()  # the rpc socket
+        # The response socket; reentrant because a membership callback may itself make a blocking call.
+        self._receive_lock = threading.RLock()
+        self._deferred: collections.deque[protocol.Message] = collections.deque()  # for the I/O thread
+        self._caller_receiving = False
+        self._caller_received_at = 0.0  # monotonic
+        self._io_resting = False
+        self._io_wake = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -156,6 +171,47 @@ class RemoteExecutor(Executor):
                     )
                 self._changed.wait(min(left, 0.5))
 
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        replica: int | None = None,
+    ) -> Any:
+        future = self._send_call(method, args, kwargs, timeout, unique_reply_rank, replica)
+        self._receive_until_done(future)
+        return future.result()
+
+    def _receive_until_done(self, future: Future[Any]) -> None:
+        """Wait for ``future`` by receiving replies on this thread while no other thread is receiving.
+
+        Deadlines, lost members and shutdown are the I/O thread's, and it completes the future for them; this
+        thread looks at the future at least once a tick, so it never waits longer than the I/O thread would
+        let it."""
+        while not future.done():
+            if not self._closed.is_set() and self._receive_lock.acquire(blocking=False):
+                self._caller_receiving = True
+                try:
+                    while not future.done() and not self._closed.is_set():
+                        try:
+                            frames = self._recv_frames(0)  # waits up to a tick (the socket's RCVTIMEO)
+                        except zmq.Again:
+                            continue
+                        self._accept(frames, defer_membership=True)
+                    if not self._closed.is_set():
+                        self._drain(defer_membership=True)  # empty, so its descriptor signals again
+                finally:
+                    self._caller_received_at = time.monotonic()
+                    self._caller_receiving = False
+                    self._receive_lock.release()
+                if self._pending or self._deferred:
+                    self._io_wake.set()  # others wait on replies, or membership news: the I/O thread's turn
+            else:
+                # Another thread is receiving (and will complete this call too), or the executor is closing.
+                concurrent.futures.wait([future], timeout=_TICK_MS / 1000)
+
     def collective_rpc_future(
         self,
         method: str,
@@ -164,6 +220,20 @@ class RemoteExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
         replica: int | None = None,
+    ) -> Future[Any]:
+        future = self._send_call(method, args, kwargs, timeout, unique_reply_rank, replica)
+        if self._io_resting:
+            self._io_wake.set()  # nobody waits on this call: the I/O thread receives its reply
+        return future
+
+    def _send_call(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        unique_reply_rank: int | None,
+        replica: int | None,
     ) -> Future[Any]:
         targets = self._address_call(method, replica, unique_reply_rank)
         if self._closed.is_set():
@@ -223,7 +293,8 @@ class RemoteExecutor(Executor):
                 )
         with self._send_lock:
             self._rpc.close(linger=0)
-        self._response.close(linger=0)
+        with self._receive_lock:  # a caller receiving on it lets go within a tick of seeing the shutdown
+            self._response.close(linger=0)
         if self._zap is not None:
             self._zap.stop()
         self._context.term()
@@ -231,16 +302,37 @@ class RemoteExecutor(Executor):
     # -- I/O thread ------------------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
+        # The thread waits on the response socket's signalling file descriptor, not on the socket, so a
+        # caller can receive on the socket meanwhile (a ZMQ socket is used by one thread at a time: the
+        # receive lock). The descriptor is edge-like: readable means "look", and whoever holds the lock
+        # drains the socket until it is empty, which re-arms it. While callers receive for themselves, the
+        # thread does not watch the descriptor (it would wake with every reply and take the GIL from the
+        # caller); a caller wakes it when it stops receiving while other calls are still pending.
         poller = zmq.Poller()
-        poller.register(self._response, zmq.POLLIN)
+        poller.register(self._response.getsockopt(zmq.FD), zmq.POLLIN)
         next_ping = next_tick = time.monotonic()
         while not self._closed.is_set():
-            try:
-                ready = poller.poll(_TICK_MS)
-            except zmq.ZMQError:
-                break
-            if ready:
-                self._drain()
+            self._io_resting = True  # before looking at the pending calls: see collective_rpc_future
+            if self._caller_receiving or (
+                not self._pending and time.monotonic() - self._caller_received_at < _TICK_MS / 1000
+            ):
+                self._io_wake.wait(_TICK_MS / 1000)
+                self._io_wake.clear()
+                self._io_resting = False
+            else:
+                self._io_resting = False
+                try:
+                    poller.poll(_TICK_MS)
+                except zmq.ZMQError:
+                    break
+            if self._receive_lock.acquire(timeout=_TICK_MS / 1000):
+                try:
+                    if not self._closed.is_set():
+                        self._drain()
+                finally:
+                    self._receive_lock.release()
+            while self._deferred:
+                self._handle(self._deferred.popleft())
             now = time.monotonic()
             if now < next_tick:
                 continue  # timers run once a tick, not after every reply: the caller waits for the GIL
@@ -256,27 +348,48 @@ class RemoteExecutor(Executor):
     def _on_tick(self) -> None:
         """Hook for subclasses (process monitoring); runs on the I/O thread every tick."""
 
-    def _drain(self) -> None:
-        for _ in range(1000):
+    def _drain(self, defer_membership: bool = False) -> None:
+        """Receive until the socket is empty (the caller holds the receive lock)."""
+        for _ in range(1000):  # then the I/O thread's timers get a turn; the rest waits at most a tick
             try:
-                frames = self._response.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = self._recv_frames(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                message = protocol.decode(frames)
-            except protocol.ProtocolError as exc:
-                log.warning("rejected a malformed message from a worker: %s", exc)
-                continue
-            if isinstance(message, protocol.Reply):
-                self._on_reply(message)
-            elif isinstance(message, protocol.Hello):
-                self._on_hello(message)
-            elif isinstance(message, protocol.Goodbye):
-                self._member_left(
-                    message.replica, message.rank, f"goodbye: {message.reason}", last_call=message.last_call
-                )
-            else:
-                log.warning("rejected a %s message on the response socket", type(message).__name__)
+            self._accept(frames, defer_membership)
+
+    def _recv_frames(self, flags: int) -> list[Any]:
+        # The header is small: a copy costs less than a zmq.Frame. Tensor frames arrive without a copy.
+        frames: list[Any] = [self._response.recv(flags)]
+        while self._response.rcvmore:
+            frames.append(self._response.recv(copy=False))
+        return frames
+
+    def _accept(self, frames: list[Any], defer_membership: bool) -> None:
+        """Replies complete their calls on the receiving thread; other messages are handled on the I/O
+        thread (here, or queued for it when a caller received them)."""
+        try:
+            message = protocol.decode(frames)
+        except protocol.ProtocolError as exc:
+            log.warning("rejected a malformed message from a worker: %s", exc)
+            return
+        if isinstance(message, protocol.Reply):
+            self._on_reply(message)
+        elif defer_membership:
+            self._deferred.append(message)
+        else:
+            self._handle(message)
+
+    def _handle(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Reply):
+            self._on_reply(message)
+        elif isinstance(message, protocol.Hello):
+            self._on_hello(message)
+        elif isinstance(message, protocol.Goodbye):
+            self._member_left(
+                message.replica, message.rank, f"goodbye: {message.reason}", last_call=message.last_call
+            )
+        else:
+            log.warning("rejected a %s message on the response socket", type(message).__name__)
 
     def _on_reply(self, reply: protocol.Reply) -> None:
         with self._lock:
