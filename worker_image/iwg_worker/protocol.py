@@ -391,7 +391,7 @@ def decode(frames: list[Any]) -> Message:
         raise ProtocolError("empty message")
     if len(frames) > MAX_FRAMES:
         raise ProtocolError(f"too many frames ({len(frames)})")
-    head = _buffer(frames[0])
+    head = frames[0] if type(frames[0]) is bytes else _buffer(frames[0])
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     decoder = _Decoder(frames[1:])
@@ -412,8 +412,8 @@ def decode(frames: list[Any]) -> Message:
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in _KEYS:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    keys = set(header)
-    if keys != _KEYS[kind]:
+    if header.keys() != _KEYS[kind]:
+        keys = set(header)
         missing = sorted(_KEYS[kind] - keys)
         extra = sorted(str(k) for k in keys - _KEYS[kind])
         raise ProtocolError(f"{kind} header: missing fields {missing}, unexpected fields {extra}")
@@ -423,6 +423,29 @@ def decode(frames: list[Any]) -> Message:
 
 
 def _build(kind: str, h: dict[str, Any]) -> Message:
+    # Fast paths for the two hot kinds: msgpack yields exact types, so one combined check accepts what the
+    # field-by-field checks below accept; anything else goes through them for the error message.
+    if kind == "call":
+        call_id, method, args, kwargs = h["id"], h["method"], h["args"], h["kwargs"]
+        reply_rank, deadline = h["reply_rank"], h["deadline"]
+        if (
+            type(call_id) is int
+            and type(method) is str
+            and method
+            and type(args) is list
+            and type(kwargs) is dict
+            and (reply_rank is None or type(reply_rank) is int)
+            and (deadline is None or type(deadline) is float or type(deadline) is int)
+        ):
+            return Call(call_id, method, args, kwargs, reply_rank, deadline)
+    elif kind == "reply" and h["ok"] is True and h["error"] is None:
+        reply_id, replica, rank = h["id"], h["replica"], h["rank"]
+        if type(reply_id) is int and type(replica) is int and type(rank) is int:
+            return Reply(reply_id, replica, rank, True, h["result"], None)
+    return _build_checked(kind, h)
+
+
+def _build_checked(kind: str, h: dict[str, Any]) -> Message:
     if kind == "call":
         method = _require(h, "method", str)
         if not method:
