@@ -23,6 +23,7 @@ import aiohttp
 
 from iwg_operator import metrics
 from iwg_operator.api import v1alpha1 as api
+from iwg_operator.credentials import Credentials
 
 FIELD_MANAGER = "iwg-operator"
 # Requests in flight to the API server at once, all groups together (the rest wait in priority order).
@@ -164,47 +165,6 @@ class RequestCounter:
 
     def writes(self) -> int:
         return sum(n for (verb, _, _), n in self.counts.items() if verb in WRITE_VERBS)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """Where the API server is and how to authenticate; shared by Kopf's watches and this client."""
-
-    server: str
-    ca_file: str | None
-    verify: bool
-    token: str | None  # without the "Bearer " scheme
-    cert_file: str | None
-    key_file: str | None
-
-    @classmethod
-    def from_environment(cls) -> Credentials:
-        """In-cluster service account when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube)."""
-        import os
-
-        from kubernetes import client, config
-
-        configuration = client.Configuration()
-        try:
-            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            # KUBECONFIG read now, not when the kubernetes package was imported.
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
-            )
-        token = configuration.get_api_key_with_prefix(
-            "authorization"
-        ) or configuration.get_api_key_with_prefix("BearerToken")
-        if token and token.lower().startswith("bearer "):
-            token = token[len("bearer ") :]
-        return cls(
-            server=str(configuration.host).rstrip("/"),
-            ca_file=configuration.ssl_ca_cert,
-            verify=bool(configuration.verify_ssl),
-            token=token or None,
-            cert_file=configuration.cert_file,
-            key_file=configuration.key_file,
-        )
 
 
 @dataclass(frozen=True)

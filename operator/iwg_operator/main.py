@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
-import kopf
+# Kopf imports the official client's generated models whenever the `kubernetes` package is importable (about
+# 40 MB of resident memory), only to accept them as arguments. This operator passes plain dicts and reads its
+# credentials itself (iwg_operator.credentials), so its process keeps the package out.
+sys.modules.setdefault("kubernetes", None)  # type: ignore[arg-type]
 
-from iwg_operator import metrics
+import kopf  # noqa: E402
+
+from iwg_operator import metrics  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -9,7 +9,8 @@ import kopf
 
 from iwg_operator import builders, labels
 from iwg_operator.controller import Controller
-from iwg_operator.kube import Connection, Credentials, KubeApi
+from iwg_operator.credentials import Credentials
+from iwg_operator.kube import Connection, KubeApi
 
 # Environment of the operator's own pod (the Helm chart sets them).
 ENV_CLUSTER_DOMAIN = "IWG_CLUSTER_DOMAIN"
