@@ -320,7 +320,7 @@ class WorkerProc:
                 frames: list[Any] = [sock.recv()]  # the header is small: a copy beats a zmq.Frame
             except zmq.Again:
                 continue
-            while sock.rcvmore:
+            while sock.getsockopt(zmq.RCVMORE):
                 frames.append(sock.recv(copy=False))  # tensor frames arrive without a copy
             try:
                 message = protocol.decode(frames)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import zmq
 from iwg_operator.api import wiring
@@ -200,8 +200,13 @@ class RemoteExecutor(Executor):
                         except zmq.Again:
                             continue
                         self._accept(frames, defer_membership=True)
-                    if not self._closed.is_set():
-                        self._drain(defer_membership=True)  # empty, so its descriptor signals again
+                    # Leave the socket seen empty (an EVENTS query marks it so, like a failed receive), so the
+                    # next message signals the I/O thread's descriptor again.
+                    if (
+                        not self._closed.is_set()
+                        and cast(int, self._response.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+                    ):
+                        self._drain(defer_membership=True)
                 finally:
                     self._caller_received_at = time.monotonic()
                     self._caller_receiving = False
@@ -360,7 +365,7 @@ class RemoteExecutor(Executor):
     def _recv_frames(self, flags: int) -> list[Any]:
         # The header is small: a copy costs less than a zmq.Frame. Tensor frames arrive without a copy.
         frames: list[Any] = [self._response.recv(flags)]
-        while self._response.rcvmore:
+        while self._response.getsockopt(zmq.RCVMORE):
             frames.append(self._response.recv(copy=False))
         return frames
 
