@@ -48,6 +48,9 @@ PodLookup = Callable[[GroupKey], Iterable[planning.ObservedPod]]
 DEBOUNCE_SECONDS = 0.05
 EXPECTATION_SECONDS = 30.0
 WRITE_CONCURRENCY = 16
+# Groups writing their driver, Services and policies at once: those requests wait behind every pod anyway, and
+# building them for hundreds of groups at a time only holds memory.
+SUPPORT_CONCURRENCY = 16
 MIN_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 300.0
 
@@ -102,6 +105,7 @@ class Controller:
         self.settings = settings or builders.BuildSettings()
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
+        self._support_slots = asyncio.Semaphore(SUPPORT_CONCURRENCY)
         # Nodes where a worker of the group reported a device fault: new pods are kept off them (health prober).
         self.avoided_nodes: dict[GroupKey, set[str]] = {}
 
@@ -255,7 +259,8 @@ class Controller:
         await self._write_status(state, current_status())
         if children_due and not failure:
             try:
-                await self._ensure_support(group, fresh)
+                async with self._support_slots:
+                    await self._ensure_support(group, fresh)
                 state.children_hash = children_hash
             except ReconcileRefused as error:
                 failure = str(error)

@@ -39,7 +39,13 @@ def _bind(controller: Controller, worker_pods: kopf.Index[GroupKey, ObservedPod]
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(dict(body))
+    """The group as the controller keeps it: a copy without managedFields and annotations (never read)."""
+    plain = copy.deepcopy({key: value for key, value in body.items() if key != "metadata"})
+    metadata = body.get("metadata", {})
+    plain["metadata"] = copy.deepcopy(
+        {key: value for key, value in metadata.items() if key not in ("managedFields", "annotations")}
+    )
+    return plain
 
 
 @kopf.on.login()

@@ -35,6 +35,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # Resources are discovered once; no CRD/namespace scanning (smaller RBAC, fewer requests).
     settings.scanning.disabled = True
     settings.queueing.worker_limit = None
+    # A per-object worker keeps the object's last body while it idles: let it go soon (memory at scale).
+    settings.queueing.idle_timeout = 1.0
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 

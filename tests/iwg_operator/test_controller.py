@@ -166,3 +166,24 @@ async def test_first_pass_order_mounted_secret_then_pods_then_status_then_the_re
     assert position("pods", last=True) < position("inferenceworkergroups/status")
     for later in ("deployments", "services", "networkpolicies", "poddisruptionbudgets", "configmaps"):
         assert position("inferenceworkergroups/status") < position(later), later
+
+
+def test_the_kept_group_body_leaves_out_managed_fields_and_annotations_and_shares_nothing() -> None:
+    from iwg_operator.handlers import _plain
+
+    original = body(replicas=2)
+    original["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]
+    original["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": "{...}"}
+    original["status"] = {"phase": "Running"}
+    kept = _plain(original)
+    assert "managedFields" not in kept["metadata"] and "annotations" not in kept["metadata"]
+    assert kept["spec"] == original["spec"] and kept["status"] == original["status"]
+    assert {k: kept["metadata"][k] for k in ("name", "namespace", "uid", "generation")} == {
+        "name": "g",
+        "namespace": "ns",
+        "uid": "u1",
+        "generation": 1,
+    }
+    kept["spec"]["replicas"] = 5
+    assert original["spec"]["replicas"] == 2, "a copy, not a view"
+    assert group_from_body(_plain(original)).spec.replicas == 2
