@@ -347,9 +347,10 @@ class Controller:
     async def _create_pods(
         self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]]
     ) -> tuple[list[tuple[int, int]], str | None]:
-        """Create in slow-start waves (1, 2, 4, ...): a refused pod stops the rest without a storm of errors."""
+        """Create in slow-start waves: one replica's ranks (useless without each other), then twice as many
+        each wave. A refused pod stops the rest without a storm of errors."""
         created: list[tuple[int, int]] = []
-        wave = 1
+        wave = group.spec.world_size
         while todo:
             batch, todo = todo[:wave], todo[wave:]
             avoided = self.avoided_nodes.get(state.key, set())

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from iwg_operator import builders
 from iwg_operator.api import v1alpha1 as api
-from iwg_operator.controller import Controller, GroupState, group_from_body
+from iwg_operator.controller import Controller, GroupState, ReconcileRefused, group_from_body
 from iwg_operator.kube import ApiError, Resource
 from iwg_operator.planning import ObservedPod, observe_pod
 
@@ -187,3 +187,23 @@ def test_the_kept_group_body_leaves_out_managed_fields_and_annotations_and_share
     kept["spec"]["replicas"] = 5
     assert original["spec"]["replicas"] == 2, "a copy, not a view"
     assert group_from_body(_plain(original)).spec.replicas == 2
+
+
+async def test_a_refused_pod_stops_creation_after_the_first_wave_of_one_replicas_ranks() -> None:
+    class RefusingPods(RecordingKube):
+        async def create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+            if resource.plural == "pods":
+                self.calls.append(("create", "pods", body["metadata"]["name"]))
+                raise ApiError(422, "Invalid", "spec.priorityClassName: no such class")
+            return await super().create(resource, namespace, body)
+
+    kube = RefusingPods()
+    ctl = controller(kube)
+    group_body = body(replicas=4, worldSize=3)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    with pytest.raises(ReconcileRefused, match="priorityClassName"):
+        await ctl.reconcile(state)
+    tried = sorted(name for verb, plural, name in kube.calls if plural == "pods")
+    assert tried == ["g-r0-w0", "g-r0-w1", "g-r0-w2"], "one replica's ranks, then stop"
+    conditions = {c["type"]: c for c in state.current_status["conditions"]}
+    assert conditions["ReconcileFailed"]["status"] == "True"
