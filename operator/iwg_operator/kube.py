@@ -26,8 +26,10 @@ from iwg_operator.api import v1alpha1 as api
 from iwg_operator.credentials import Credentials
 
 FIELD_MANAGER = "iwg-operator"
-# Requests in flight to the API server at once, all groups together (the rest wait in priority order).
-MAX_IN_FLIGHT = 16
+# Requests in flight to the API server at once, all groups together (the rest wait in priority order). At 250
+# groups on the 2-core bench, 1000 pods existed after 20 s with 8, 15-19 s with 16, 14-15 s with 32 and 7-11 s
+# with 64: 32 keeps most of the gain without one operator holding a large share of the API server's seats.
+MAX_IN_FLIGHT = 32
 
 WRITE_VERBS = frozenset({"create", "apply", "patch", "delete"})
 
