@@ -335,7 +335,7 @@ def write_docs(text: str, command: str) -> None:
     if SECTION in current:
         start = current.index(SECTION)
         following = current.find("\n## ", start + len(SECTION))
-        current = current[:start] + body + (current[following + 1 :] if following != -1 else "")
+        current = current[:start] + body + ("\n" + current[following + 1 :] if following != -1 else "")
     else:
         current = current.rstrip("\n") + "\n\n" + body
     DOCS.write_text(current)
