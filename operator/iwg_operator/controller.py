@@ -212,8 +212,8 @@ class Controller:
         """One pass; returns seconds until a recheck is needed (pending expectations), or None.
 
         Order: the Secret the pods mount, the pods (the critical path: scheduling, image pull, model load),
-        the status users watch, then what no pod needs to start (driver, Services, NetworkPolicy, PDB,
-        ConfigMap).
+        the status users watch, then Events and what no pod needs to start (driver, Services, NetworkPolicy,
+        PDB, ConfigMap).
         The client's request scheduler keeps the same order across all groups.
         """
         group = state.group
@@ -234,13 +234,14 @@ class Controller:
         pods = self._observed_pods(state, desired)
         plan = planning.plan_pods(desired, pods)
         failure: str | None = None
+        done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
         if children_due:
             try:
                 await self._ensure_secret(group, fresh)
             except ReconcileRefused as error:
                 failure = str(error)  # pods would mount keys that are not the group's: create none
         if failure is None and not plan.empty:
-            failure = await self._apply_plan(state, group, plan)
+            failure = await self._apply_plan(state, group, plan, done)
             pods = self._observed_pods(state, desired)
             plan = planning.plan_pods(desired, pods)
 
@@ -257,6 +258,8 @@ class Controller:
             )
 
         await self._write_status(state, current_status())
+        for reason, message in done:
+            await self._event(state, "Normal", reason, message, once=False)
         if children_due and not failure:
             try:
                 async with self._support_slots:
@@ -306,8 +309,9 @@ class Controller:
     # ------------------------------------------------------------------ writes
 
     async def _apply_plan(
-        self, state: GroupState, group: builders.Group, plan: planning.PodPlan
+        self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
     ) -> str | None:
+        """Delete and create pods; what was done is appended to `done` as (Event reason, message)."""
         namespace = group.namespace
         deletions = await gather_limited(
             WRITE_CONCURRENCY, *(self.kube.delete(PODS, namespace, pod.name, pod.uid) for pod in plan.delete)
@@ -318,30 +322,16 @@ class Controller:
                 raise result
             state.expected_gone[pod.uid] = deadline
         if plan.scale_down:
-            await self._event(
-                state, "Normal", "ScaledDown", f"removing replicas {_ranges(plan.scale_down)}", once=False
-            )
+            done.append(("ScaledDown", f"removing replicas {_ranges(plan.scale_down)}"))
         if plan.replace:
             metrics.pod_replaced("rollout", sum(1 for p in plan.delete if p.replica in plan.replace))
-            await self._event(
-                state,
-                "Normal",
-                "ReplacingReplicas",
-                f"replacing replicas {_ranges(plan.replace)}",
-                once=False,
-            )
+            done.append(("ReplacingReplicas", f"replacing replicas {_ranges(plan.replace)}"))
 
         created, failure = await self._create_pods(state, group, list(plan.create))
         if created:
             metrics.pod_created("reconcile", len(created))
             replicas = sorted({replica for replica, _ in created})
-            await self._event(
-                state,
-                "Normal",
-                "CreatedPods",
-                f"created {len(created)} pod(s) for replicas {_ranges(replicas)}",
-                once=False,
-            )
+            done.append(("CreatedPods", f"created {len(created)} pod(s) for replicas {_ranges(replicas)}"))
         return failure
 
     async def _create_pods(

@@ -84,8 +84,8 @@ class Priority(IntEnum):
     """Which requests go first when more wait than may be in flight (lower first).
 
     Pods are the critical path of a group (scheduling, image pull, model load): the objects they mount go
-    before them, status and Events (what users watch) after them, and objects no pod needs to start
-    (driver, Services, NetworkPolicy, PDB, ConfigMap) last.
+    before them, the status (what users and tools watch) after them, and Events and the objects no pod needs
+    to start (driver, Services, NetworkPolicy, PDB, ConfigMap) last.
     """
 
     MOUNTED_BY_PODS = 0
@@ -98,7 +98,6 @@ PRIORITIES: dict[Resource, Priority] = {
     SECRETS: Priority.MOUNTED_BY_PODS,
     PODS: Priority.PODS,
     GROUPS: Priority.STATUS,
-    EVENTS: Priority.STATUS,
 }
 
 

@@ -164,7 +164,14 @@ async def test_first_pass_order_mounted_secret_then_pods_then_status_then_the_re
 
     assert position("secrets", last=True) < position("pods"), "a pod's kubelet never waits for its Secret"
     assert position("pods", last=True) < position("inferenceworkergroups/status")
-    for later in ("deployments", "services", "networkpolicies", "poddisruptionbudgets", "configmaps"):
+    for later in (
+        "events",
+        "deployments",
+        "services",
+        "networkpolicies",
+        "poddisruptionbudgets",
+        "configmaps",
+    ):
         assert position("inferenceworkergroups/status") < position(later), later
 
 
