@@ -238,8 +238,10 @@ class Controller:
         if children_due:
             try:
                 await self._ensure_secret(group, fresh)
+                await self._ensure_network_policy(group, fresh)
             except ReconcileRefused as error:
-                failure = str(error)  # pods would mount keys that are not the group's: create none
+                # Pods would mount keys that are not the group's, or be reachable unfenced: create none.
+                failure = str(error)
         if failure is None and not plan.empty:
             failure = await self._apply_plan(state, group, plan, done)
             pods = self._observed_pods(state, desired)
@@ -365,13 +367,12 @@ class Controller:
         return created, None
 
     async def _ensure_support(self, group: builders.Group, fresh: bool) -> None:
-        """ConfigMap, Services, driver Deployment, NetworkPolicy, PDB: create, or apply what changed."""
+        """ConfigMap, Services, driver Deployment, PDB: create, or apply what changed."""
         children: list[tuple[Resource, builders.Manifest]] = [
             (CONFIG_MAPS, builders.config_map(group, self.settings)),
             (SERVICES, builders.headless_service(group)),
             (SERVICES, builders.driver_service(group)),
             (DEPLOYMENTS, builders.driver_deployment(group)),
-            (NETWORK_POLICIES, builders.network_policy(group, self.settings)),
             (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
         ]
         results = await gather_limited(
@@ -380,6 +381,15 @@ class Controller:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    async def _ensure_network_policy(self, group: builders.Group, fresh: bool) -> None:
+        manifest = builders.network_policy(group, self.settings)
+        try:
+            await self._ensure_child(group, NETWORK_POLICIES, manifest, fresh)
+        except ApiError as error:
+            if 400 <= error.status < 500 and error.status != 429:
+                raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
+            raise
 
     async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)

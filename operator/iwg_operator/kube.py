@@ -83,19 +83,21 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
 class Priority(IntEnum):
     """Which requests go first when more wait than may be in flight (lower first).
 
-    Pods are the critical path of a group (scheduling, image pull, model load): the objects they mount go
-    before them, the status (what users and tools watch) after them, and Events and the objects no pod needs
-    to start (driver, Services, NetworkPolicy, PDB, ConfigMap) last.
+    Pods are the critical path of a group (scheduling, image pull, model load). What must exist before a pod
+    goes first: the Secret it mounts and the NetworkPolicy that fences it (a pod is never reachable from the
+    cluster before its policy exists). The status (what users and tools watch) follows the pods, and Events
+    and the objects no pod needs to start (driver, Services, PDB, ConfigMap) come last.
     """
 
-    MOUNTED_BY_PODS = 0
+    BEFORE_PODS = 0
     PODS = 1
     STATUS = 2
     SUPPORT = 3
 
 
 PRIORITIES: dict[Resource, Priority] = {
-    SECRETS: Priority.MOUNTED_BY_PODS,
+    SECRETS: Priority.BEFORE_PODS,
+    NETWORK_POLICIES: Priority.BEFORE_PODS,
     PODS: Priority.PODS,
     GROUPS: Priority.STATUS,
 }

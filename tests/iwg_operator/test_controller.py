@@ -150,7 +150,7 @@ async def test_invalid_spec_is_marked_once() -> None:
     ], "an unchanged status is not written twice"
 
 
-async def test_first_pass_order_mounted_secret_then_pods_then_status_then_the_rest() -> None:
+async def test_first_pass_order_secret_and_policy_then_pods_then_status_then_the_rest() -> None:
     kube = RecordingKube()
     ctl = controller(kube)
     group_body = body(replicas=2, worldSize=2)
@@ -163,12 +163,12 @@ async def test_first_pass_order_mounted_secret_then_pods_then_status_then_the_re
         return indices[-1] if last else indices[0]
 
     assert position("secrets", last=True) < position("pods"), "a pod's kubelet never waits for its Secret"
+    assert position("networkpolicies", last=True) < position("pods"), "no pod is reachable unfenced"
     assert position("pods", last=True) < position("inferenceworkergroups/status")
     for later in (
         "events",
         "deployments",
         "services",
-        "networkpolicies",
         "poddisruptionbudgets",
         "configmaps",
     ):
@@ -214,3 +214,22 @@ async def test_a_refused_pod_stops_creation_after_the_first_wave_of_one_replicas
     assert tried == ["g-r0-w0", "g-r0-w1", "g-r0-w2"], "one replica's ranks, then stop"
     conditions = {c["type"]: c for c in state.current_status["conditions"]}
     assert conditions["ReconcileFailed"]["status"] == "True"
+
+
+async def test_a_refused_network_policy_creates_no_pods_and_says_why() -> None:
+    class RefusingPolicies(RecordingKube):
+        async def create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+            if resource.plural == "networkpolicies":
+                self.calls.append(("create", "networkpolicies", body["metadata"]["name"]))
+                raise ApiError(403, "Forbidden", "networkpolicies is forbidden: cannot create")
+            return await super().create(resource, namespace, body)
+
+    kube = RefusingPolicies()
+    ctl = controller(kube)
+    group_body = body(replicas=2)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    with pytest.raises(ReconcileRefused, match="NetworkPolicy g-workers: networkpolicies is forbidden"):
+        await ctl.reconcile(state)
+    assert not [c for c in kube.calls if c[1] == "pods"], "no pod is created unfenced"
+    conditions = {c["type"]: c for c in state.current_status["conditions"]}
+    assert "NetworkPolicy" in conditions["ReconcileFailed"]["message"]

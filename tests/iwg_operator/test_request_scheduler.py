@@ -26,7 +26,7 @@ async def test_waiting_requests_start_by_priority_then_arrival_and_never_exceed_
         ("support", Priority.SUPPORT),
         ("pod-a", Priority.PODS),
         ("status", Priority.STATUS),
-        ("secret", Priority.MOUNTED_BY_PODS),
+        ("secret", Priority.BEFORE_PODS),
         ("pod-b", Priority.PODS),
     ]
     later = [asyncio.create_task(request(name, priority)) for name, priority in waiting]
