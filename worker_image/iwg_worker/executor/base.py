@@ -26,7 +26,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -110,6 +110,49 @@ class MembershipEvent:
 
 
 MembershipCallback = Callable[[MembershipEvent], None]
+
+
+@dataclass(slots=True)
+class PendingCall:
+    """A call on its way: which replies it still waits for, and those it has (result shape: module docstring)."""
+
+    id: int
+    method: str
+    targets: list[int]  # replicas, in result order
+    expected: set[tuple[int, int]]  # (replica, rank) still to reply
+    unique_reply_rank: int | None
+    world_size: int
+    future: Future[Any]
+    timeout: float | None
+    deadline: float | None = None  # monotonic, for executors that expire calls themselves
+    results: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls,
+        call_id: int,
+        method: str,
+        targets: list[int],
+        unique_reply_rank: int | None,
+        world_size: int,
+        timeout: float | None,
+        deadline: float | None = None,
+    ) -> PendingCall:
+        reply_ranks = range(world_size) if unique_reply_rank is None else (unique_reply_rank,)
+        expected = {(r, k) for r in targets for k in reply_ranks}
+        future: Future[Any] = Future()
+        return cls(
+            call_id, method, targets, expected, unique_reply_rank, world_size, future, timeout, deadline
+        )
+
+    def assemble(self) -> Any:
+        per_replica = []
+        for replica in self.targets:
+            if self.unique_reply_rank is not None:
+                per_replica.append(self.results[(replica, self.unique_reply_rank)])
+            else:
+                per_replica.append([self.results[(replica, rank)] for rank in range(self.world_size)])
+        return per_replica[0] if len(self.targets) == 1 else per_replica
 
 
 class Executor(ABC):

@@ -37,7 +37,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from iwg_worker.executor.base import (
     Executor,
     MembershipCallback,
     MembershipEvent,
+    PendingCall,
     ReplicaLostError,
     ReplicaUnavailableError,
     RPCError,
@@ -261,28 +262,6 @@ class RayRank:
         return f"replica {self.replica} rank {self.rank} (Ray actor pid {self.pid} on {self.ip})"
 
 
-@dataclass(slots=True)
-class _Pending:
-    id: int
-    method: str
-    targets: list[int]
-    expected: set[tuple[int, int]]
-    unique_reply_rank: int | None
-    world_size: int
-    future: Future[Any]
-    timeout: float | None
-    results: dict[tuple[int, int], Any] = field(default_factory=dict)
-
-    def assemble(self) -> Any:
-        per_replica = []
-        for replica in self.targets:
-            if self.unique_reply_rank is not None:
-                per_replica.append(self.results[(replica, self.unique_reply_rank)])
-            else:
-                per_replica.append([self.results[(replica, rank)] for rank in range(self.world_size)])
-        return per_replica[0] if len(self.targets) == 1 else per_replica
-
-
 def _default_bundle(device: str) -> dict[str, float]:
     if device == "cpu":
         return {"CPU": 1.0}
@@ -347,7 +326,7 @@ class RayExecutor(Executor):
         self._extra_env = env
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._lost: dict[tuple[int, int], str] = {}
         self._subscribers: list[MembershipCallback] = []
         self._closed = False
@@ -524,18 +503,10 @@ class RayExecutor(Executor):
         call_args, args_bytes = to_ray(list(args), "args")
         call_kwargs, kwargs_bytes = to_ray(dict(kwargs or {}), "kwargs")
         payload_bytes = args_bytes + kwargs_bytes
-        future: Future[Any] = Future()
-        reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
-        pending = _Pending(
-            id=next(self._ids),
-            method=method,
-            targets=targets,
-            expected={(r, k) for r in targets for k in reply_ranks},
-            unique_reply_rank=unique_reply_rank,
-            world_size=self.world_size,
-            future=future,
-            timeout=timeout,
+        pending = PendingCall.start(
+            next(self._ids), method, targets, unique_reply_rank, self.world_size, timeout
         )
+        future = pending.future
         with self._lock:
             if self._closed:
                 raise RuntimeError("executor is shut down")
@@ -564,7 +535,7 @@ class RayExecutor(Executor):
                 ref.future().add_done_callback(lambda f, key=(r, k): self._on_reply(pending, key, f))
         return future
 
-    def _on_reply(self, pending: _Pending, key: tuple[int, int], done: Future[Any]) -> None:
+    def _on_reply(self, pending: PendingCall, key: tuple[int, int], done: Future[Any]) -> None:
         replica, rank = key
         try:
             reply = done.result()
@@ -599,7 +570,7 @@ class RayExecutor(Executor):
                 return
             _settle(pending.future, result=result)
 
-    def _finish(self, pending: _Pending, error: BaseException) -> None:
+    def _finish(self, pending: PendingCall, error: BaseException) -> None:
         with self._lock:
             self._pending.pop(pending.id, None)
         _settle(pending.future, error=error)
@@ -675,7 +646,7 @@ class RayExecutor(Executor):
 
     def _timer_loop(self) -> None:
         while True:
-            expired: list[_Pending] = []
+            expired: list[PendingCall] = []
             with self._lock:
                 if self._closed:
                     return

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import zmq
@@ -38,6 +38,7 @@ from iwg_worker.executor.base import (
     Member,
     MembershipCallback,
     MembershipEvent,
+    PendingCall,
     ReplicaLostError,
     ReplicaUnavailableError,
     RPCError,
@@ -48,29 +49,6 @@ from iwg_worker.security import CurveKeys, ZapAuthenticator, make_server
 log = logging.getLogger(__name__)
 
 _TICK_MS = 20
-
-
-@dataclass(slots=True)
-class _Pending:
-    id: int
-    method: str
-    targets: list[int]  # replicas, in result order
-    expected: set[tuple[int, int]]  # (replica, rank) still to reply
-    unique_reply_rank: int | None
-    world_size: int
-    future: Future[Any]
-    timeout: float | None
-    deadline: float | None  # monotonic
-    results: dict[tuple[int, int], Any] = field(default_factory=dict)
-
-    def assemble(self) -> Any:
-        per_replica = []
-        for replica in self.targets:
-            if self.unique_reply_rank is not None:
-                per_replica.append(self.results[(replica, self.unique_reply_rank)])
-            else:
-                per_replica.append([self.results[(replica, rank)] for rank in range(self.world_size)])
-        return per_replica[0] if len(self.targets) == 1 else per_replica
 
 
 @dataclass(slots=True)
@@ -126,7 +104,7 @@ class RemoteExecutor(Executor):
         self._io_wake = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._members: dict[tuple[int, int], _MemberState] = {}
         self._routes: dict[int, tuple[bytes, ...]] = {}  # serving replica -> routing ids by rank
         self._serving: frozenset[int] = frozenset()
@@ -243,19 +221,16 @@ class RemoteExecutor(Executor):
         targets = self._address_call(method, replica, unique_reply_rank)
         if self._closed.is_set():
             raise RuntimeError("executor is shut down")
-        future: Future[Any] = Future()
-        reply_ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
-        pending = _Pending(
-            id=0,
-            method=method,
-            targets=targets,
-            expected={(r, k) for r in targets for k in reply_ranks},
-            unique_reply_rank=unique_reply_rank,
-            world_size=self.world_size,
-            future=future,
-            timeout=timeout,
+        pending = PendingCall.start(
+            0,
+            method,
+            targets,
+            unique_reply_rank,
+            self.world_size,
+            timeout,
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
+        future = pending.future
         deadline = None if timeout is None else time.time() + timeout
         # Ids are taken and sent under one lock, so every worker receives its calls in id order: a goodbye's
         # ``last_call`` then tells exactly which pending calls that worker ran.
@@ -508,7 +483,7 @@ class RemoteExecutor(Executor):
         saying goodbye, and runs nothing after); it is False when the worker vanished, in which case every
         call still waiting on it, or whose success depends on ranks that do not reply, fails."""
         key = (replica, rank)
-        failed: list[_Pending] = []
+        failed: list[PendingCall] = []
         events: list[MembershipEvent] = []
         with self._lock:
             state = self._members.pop(key, None)
