@@ -182,7 +182,15 @@ class Executor(ABC):
         replica: int | None = None,
     ) -> Any:
         """Blocking call; raises the errors listed in the module docstring."""
-        return self.collective_rpc_future(method, args, kwargs, timeout, unique_reply_rank, replica).result()
+        return self._wait(self._send_waited(method, args, kwargs, timeout, unique_reply_rank, replica))
+
+    def _send_waited(self, *call: Any) -> Future[Any]:
+        """Send a call whose caller will block in `_wait` (hook: an executor may skip work a future needs)."""
+        return self.collective_rpc_future(*call)
+
+    def _wait(self, future: Future[Any]) -> Any:
+        """Block until the call completes (hook: an executor may receive replies on the waiting thread)."""
+        return future.result()
 
     async def collective_rpc_async(
         self,

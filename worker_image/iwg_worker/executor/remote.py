@@ -149,16 +149,10 @@ class RemoteExecutor(Executor):
                     )
                 self._changed.wait(min(left, 0.5))
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] | list[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        replica: int | None = None,
-    ) -> Any:
-        future = self._send_call(method, args, kwargs, timeout, unique_reply_rank, replica)
+    def _send_waited(self, *call: Any) -> Future[Any]:
+        return self._send_call(*call)  # the caller receives for itself: no need to wake the I/O thread
+
+    def _wait(self, future: Future[Any]) -> Any:
         self._receive_until_done(future)
         return future.result()
 
