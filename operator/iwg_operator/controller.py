@@ -200,6 +200,11 @@ class Controller:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a retry with backoff, never a crash of the operator
+                if isinstance(error, ApiError) and error.namespace_terminating:
+                    # The namespace goes, the group with it: no retries, no Events (they would be refused).
+                    log.info("%s/%s: its namespace is being deleted; nothing more is created", *state.key)
+                    state.group = None  # a later spec update (accept) would try once more
+                    continue
                 state.backoff = min(max(state.backoff * 2, MIN_BACKOFF_SECONDS), MAX_BACKOFF_SECONDS)
                 log.warning("reconcile %s/%s failed (retry in %.0fs): %r", *state.key, state.backoff, error)
                 self._wake_later(state, state.backoff)
@@ -357,7 +362,7 @@ class Controller:
             for (replica, rank), manifest, result in zip(batch, manifests, results, strict=True):
                 if isinstance(result, ApiError) and result.status == 409:
                     continue  # it exists: the index will show it
-                if isinstance(result, ApiError) and 400 <= result.status < 500 and result.status != 429:
+                if isinstance(result, ApiError) and result.refusal:
                     return created, f"pod {manifest['metadata']['name']}: {result.message}"
                 if isinstance(result, BaseException):
                     raise result
@@ -387,7 +392,7 @@ class Controller:
         try:
             await self._ensure_child(group, NETWORK_POLICIES, manifest, fresh)
         except ApiError as error:
-            if 400 <= error.status < 500 and error.status != 429:
+            if error.refusal:
                 raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
             raise
 
@@ -401,8 +406,10 @@ class Controller:
                 await self.kube.create(SECRETS, group.namespace, manifest)
                 return
             except ApiError as error:
-                if error.status != 409:
+                if error.refusal and error.status != 409:
                     raise _refused("Secret", name, error) from error
+                if error.status != 409:
+                    raise
             current = await self.kube.get(SECRETS, group.namespace, name)
         if current is not None:
             _check_owner(current, group, "Secret")  # keys are generated once, never rotated by a reconcile
@@ -429,7 +436,7 @@ class Controller:
             if have != manifest["metadata"]["annotations"][labels.SPEC_HASH]:
                 await self.kube.apply(resource, group.namespace, name, manifest)
         except ApiError as error:
-            if 400 <= error.status < 500 and error.status != 429:
+            if error.refusal:
                 raise _refused(resource.kind, name, error) from error
             raise
 
@@ -493,7 +500,8 @@ class Controller:
         try:
             await self.kube.create(EVENTS, namespace, event)
         except ApiError as error:  # an event is worth a log line, not a failed reconcile
-            log.warning("event %s on %s/%s not posted: %s", reason, namespace, name, error)
+            if not error.namespace_terminating:
+                log.warning("event %s on %s/%s not posted: %s", reason, namespace, name, error)
 
 
 def _key(body: Mapping[str, Any]) -> GroupKey:

@@ -144,13 +144,27 @@ class RequestScheduler:
 
 
 class ApiError(Exception):
-    """A refusal by the API server: status code, reason and the server's message."""
+    """A refusal by the API server: status code, reason, the server's message and its causes' types."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, causes: tuple[str, ...] = ()) -> None:
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes
         super().__init__(f"{status} {reason}: {message}")
+
+    @property
+    def refusal(self) -> bool:
+        """A client error that asking again will not change (unlike a throttle or a namespace closing)."""
+        return 400 <= self.status < 500 and self.status != 429 and not self.namespace_terminating
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """Nothing can be created in the namespace any more: it is being deleted, with everything in it."""
+        return NAMESPACE_TERMINATING in self.causes
+
+
+NAMESPACE_TERMINATING = "NamespaceTerminating"  # the cause the NamespaceLifecycle admission plugin gives
 
 
 class RequestCounter:
@@ -347,7 +361,17 @@ def _api_error(status: int, text: str) -> ApiError:
         return ApiError(status, "Unknown", text[:1000])
     if not isinstance(payload, dict):
         return ApiError(status, "Unknown", text[:1000])
-    return ApiError(status, str(payload.get("reason", "Unknown")), str(payload.get("message", text[:1000])))
+    details = payload.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    cause_types = tuple(
+        str(cause.get("reason")) for cause in causes or () if isinstance(cause, dict) and cause.get("reason")
+    )
+    return ApiError(
+        status,
+        str(payload.get("reason", "Unknown")),
+        str(payload.get("message", text[:1000])),
+        cause_types,
+    )
 
 
 async def gather_limited(limit: int, *calls: Any) -> list[Any]:

@@ -10,6 +10,7 @@ what the operator did, Kopf's watches and patches included, to compare against w
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import threading
 from collections.abc import Iterable
@@ -41,6 +42,7 @@ class Request:
     resource: str | None
     verb: str
     namespace: str | None
+    causes: tuple[str, ...] = ()  # the types of the causes an error response gives (NamespaceTerminating)
 
     @property
     def rule(self) -> tuple[str, str, str]:
@@ -145,10 +147,12 @@ class RecordingProxy:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _record(self, method: str, url: str, content_type: str, status: int) -> None:
+    def _record(
+        self, method: str, url: str, content_type: str, status: int, causes: tuple[str, ...] = ()
+    ) -> None:
         with self._lock:
             for group, resource, verb, namespace in rbac_attributes(method, url, content_type, status):
-                self.requests.append(Request(method, url, status, group, resource, verb, namespace))
+                self.requests.append(Request(method, url, status, group, resource, verb, namespace, causes))
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
@@ -158,11 +162,18 @@ class RecordingProxy:
         async with self._session.request(
             request.method, self.upstream + request.path_qs, headers=headers, data=body or None
         ) as upstream:
-            self._record(request.method, request.path_qs, content_type, upstream.status)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in _HOP_HEADERS:
                     response.headers.add(key, value)
+            if upstream.status >= 400:  # a Status object: small, and its causes say why
+                error = await upstream.read()
+                self._record(request.method, request.path_qs, content_type, upstream.status, _causes(error))
+                await response.prepare(request)
+                await response.write(error)
+                await response.write_eof()
+                return response
+            self._record(request.method, request.path_qs, content_type, upstream.status)
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -171,6 +182,16 @@ class RecordingProxy:
             except (aiohttp.ClientError, ConnectionResetError):
                 pass  # either side went away mid-stream (a watch ending): nothing more to relay
             return response
+
+
+def _causes(body: bytes) -> tuple[str, ...]:
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return ()
+    details = status.get("details") if isinstance(status, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return tuple(str(c.get("reason")) for c in causes or () if isinstance(c, dict))
 
 
 def rules_used(requests: Iterable[Request]) -> set[tuple[str, str, str]]:

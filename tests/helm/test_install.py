@@ -294,7 +294,11 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
         chart.helm("uninstall", release.name, "--namespace", namespace, env=control_plane.env())
         core.delete_namespace(workload_ns, propagation_policy="Background")
 
-    forbidden = [r for r in requests if r.status == 403]
+    # A cluster-wide operator also sees groups of namespaces being deleted (other tests'): a create there is
+    # refused because the namespace is closing, not by RBAC, and the operator stops trying at once.
+    closing = [r for r in requests if r.status == 403 and "NamespaceTerminating" in r.causes]
+    assert all(r.namespace not in (workload_ns, namespace) for r in closing), closing
+    forbidden = [r for r in requests if r.status == 403 and r not in closing]
     assert not forbidden, f"403 responses: {sorted({(r.method, r.path) for r in forbidden})}"
     assert not re.search(r"\b403\b|Forbidden", output), output[-4000:]
 
@@ -323,7 +327,7 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
     assert _total(scraped["iwg_operator_autoscaler_decisions"], decision="hold") > 0
     api_requests = scraped["iwg_operator_api_requests"]
     assert _total(api_requests) > 0
-    assert _total(api_requests, code="403") == 0
+    assert _total(api_requests, code="403") <= len(closing)  # scraped mid-run: only the closing namespaces'
     assert _total(scraped["iwg_operator_groups"], phase="Running") == 1
 
 

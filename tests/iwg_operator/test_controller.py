@@ -9,7 +9,7 @@ import pytest
 from iwg_operator import builders
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import Controller, GroupState, ReconcileRefused, group_from_body
-from iwg_operator.kube import ApiError, Resource
+from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, _api_error
 from iwg_operator.planning import ObservedPod, observe_pod
 
 
@@ -233,3 +233,45 @@ async def test_a_refused_network_policy_creates_no_pods_and_says_why() -> None:
     assert not [c for c in kube.calls if c[1] == "pods"], "no pod is created unfenced"
     conditions = {c["type"]: c for c in state.current_status["conditions"]}
     assert "NetworkPolicy" in conditions["ReconcileFailed"]["message"]
+
+
+async def test_pods_refused_by_a_closing_namespace_end_the_pass_without_status_or_events() -> None:
+    class ClosingNamespace(RecordingKube):
+        closing = False
+
+        async def create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+            if self.closing:
+                self.calls.append(("create", resource.plural, body["metadata"].get("name", "")))
+                raise ApiError(403, "Forbidden", "being terminated", causes=(NAMESPACE_TERMINATING,))
+            return await super().create(resource, namespace, body)
+
+    kube = ClosingNamespace()
+    ctl = controller(kube)
+    group_body = body(replicas=3, worldSize=2)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    await ctl.reconcile(state)
+    # The namespace's deletion takes the pods first; the group is still there, and nothing can be created.
+    kube.objects = {key: value for key, value in kube.objects.items() if key[0] != "pods"}
+    state.expected_present.clear()
+    kube.closing = True
+    kube.calls.clear()
+    with pytest.raises(ApiError) as raised:
+        await ctl.reconcile(state)
+    assert raised.value.namespace_terminating and not raised.value.refusal
+    assert [c for c in kube.calls if c[0] != "get"] == [
+        ("create", "pods", "g-r0-w0"),
+        ("create", "pods", "g-r0-w1"),
+    ], "the first wave only; no ReconcileFailed status or Event for a namespace that is going away"
+
+
+def test_api_errors_keep_the_causes_the_server_gives() -> None:
+    closing = _api_error(
+        403,
+        '{"kind":"Status","reason":"Forbidden","message":"pods is forbidden: being terminated",'
+        '"details":{"causes":[{"reason":"NamespaceTerminating","field":"metadata.namespace"}]}}',
+    )
+    assert closing.namespace_terminating and not closing.refusal and closing.reason == "Forbidden"
+    rbac = _api_error(403, '{"kind":"Status","reason":"Forbidden","message":"no","details":{"kind":"pods"}}')
+    assert rbac.refusal and not rbac.namespace_terminating
+    assert not _api_error(429, "slow down").refusal
+    assert _api_error(422, '{"details":{"causes":"not a list"}}').causes == ()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import defaultdict
 from typing import Any
 
 import pytest
 from iwg_operator import labels, metrics
+from iwg_operator.api import v1alpha1 as api
 from iwg_operator.api import wiring
+from iwg_operator.controller import MIN_BACKOFF_SECONDS, Controller, group_from_body
+from iwg_operator.credentials import from_kubeconfig
+from iwg_operator.kube import Connection, KubeApi
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -236,3 +242,58 @@ def test_pods_are_admitted_under_restricted_pod_security(
     failed = groups.condition("secure", "ReconcileFailed")
     assert failed is None or failed["status"] == "False"
     groups.delete("secure")
+
+
+async def test_a_group_in_a_namespace_being_deleted_stops_without_retries_or_warnings(
+    control_plane: Any, controller_manager: Any, k8s: Any, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A namespace's deletion removes its pods before its groups: the reconciler then sees pods missing, and
+    the API server refuses every create there. It must stop at the first refusal, not retry or warn."""
+    core = client.CoreV1Api(k8s)
+    hold = client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="hold", finalizers=["tests.iwg.dev/hold"])
+    )  # keeps the namespace Terminating until the test lets it go
+    core.create_namespaced_config_map(namespace, hold)
+    core.delete_namespace(namespace)
+
+    def refused_as_closing() -> bool:
+        try:
+            made = core.create_namespaced_config_map(
+                namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="probe-"))
+            )
+        except ApiException as error:
+            return error.status == 403 and "NamespaceTerminating" in (error.body or "")
+        core.delete_namespaced_config_map(made.metadata.name, namespace)
+        return False
+
+    eventually(refused_as_closing, what="creates refused because the namespace is terminating")
+    kube = KubeApi(Connection.from_credentials(from_kubeconfig([control_plane.kubeconfig])))
+    controller = Controller(kube)
+    controller.bind_pod_index(lambda key: [])
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "doomed", "namespace": namespace, "uid": "u-doomed", "generation": 1},
+        "spec": {"model": {"task": "embed", "path": "/models/m"}, "replicas": 2},
+    }
+    try:
+        with caplog.at_level(logging.INFO, logger="iwg_operator"):
+            controller.accept(body, group_from_body(body))
+            state = controller.groups[(namespace, "doomed")]
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if state.group is None:
+                    break
+            assert state.group is None, "the reconciler kept the group after the namespace refused it"
+            refused = kube.requests.counts[("create", "secrets", 403)]
+            assert refused == 1 and kube.requests.writes() == 1, kube.requests.counts
+            # Pods keep changing while the namespace empties: no further attempt, no backoff retry.
+            controller.pods_changed(state.key)
+            await asyncio.sleep(MIN_BACKOFF_SECONDS * 2)
+            assert kube.requests.writes() == 1, kube.requests.counts
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not warnings, [r.getMessage() for r in warnings]
+        assert any("being deleted" in r.getMessage() for r in caplog.records)
+    finally:
+        await controller.close()
+        core.patch_namespaced_config_map("hold", namespace, {"metadata": {"finalizers": None}})
