@@ -76,7 +76,7 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     DEPLOYMENTS: ("get", "create", "patch"),
     NETWORK_POLICIES: ("get", "create", "patch"),
     POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
-    GROUPS: ("patch",),  # the status subresource, and spec.replicas by the autoscaler
+    GROUPS: ("patch",),  # the status and scale subresources (the autoscaler sets replicas through scale)
 }
 
 
@@ -312,17 +312,26 @@ class KubeApi:
         return items
 
     async def patch(
-        self, resource: Resource, namespace: str, name: str, body: Mapping[str, Any]
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        body: Mapping[str, Any],
+        subresource: str | None = None,
     ) -> dict[str, Any]:
-        """A JSON merge patch (the autoscaler sets spec.replicas with it)."""
+        """A JSON merge patch, of the object or of one of its subresources."""
         return await self._request(
             "patch",
             "PATCH",
             resource,
-            resource.path(namespace, name),
+            resource.path(namespace, name, subresource),
             body,
             content_type="application/merge-patch+json",
         )
+
+    async def scale(self, resource: Resource, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set replicas through the scale subresource: the right to scale, not to edit the spec."""
+        return await self.patch(resource, namespace, name, {"spec": {"replicas": replicas}}, "scale")
 
     async def delete(
         self,

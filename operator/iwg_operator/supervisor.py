@@ -155,10 +155,7 @@ class Supervisor:
                 error = f"driver metrics unavailable: {scrape_error}"
         decision = scaler.decide(sample, error, current, spec.autoscaling)
         if decision.replicas is not None and decision.replicas != current:
-            metrics.autoscaler_decision("up" if decision.replicas > current else "down")
             decision = await self._scale(state, decision, current, driver)
-        else:
-            metrics.autoscaler_decision("hold")
         metrics.autoscaler_decision(_direction(decision.replicas, current))
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(
@@ -178,6 +175,10 @@ class Supervisor:
         group = state.group
         assert group is not None and decision.replicas is not None
         desired = decision.replicas
+        if desired < current and driver is None:
+            return ScaleDecision(
+                None, "DrainFailed", f"holding at {current}: no ready driver to drain replicas"
+            )
         if desired < current:
             try:
                 token = await self._admin_token(group.namespace, group.name)
@@ -186,7 +187,7 @@ class Supervisor:
                 )
             except Exception as error:
                 return ScaleDecision(None, "DrainFailed", f"holding at {current}: drain failed: {error}")
-        await self.controller.kube.patch(GROUPS, group.namespace, group.name, {"spec": {"replicas": desired}})
+        await self.controller.kube.scale(GROUPS, group.namespace, group.name, desired)
         counters = {
             "scaleCount": int((state.current_status or {}).get("scaleCount") or 0) + 1,
             "lastScaleTime": now_rfc3339(),

@@ -78,3 +78,14 @@ def test_scaler_holds_without_metrics_and_scales_up_then_down_after_the_window()
     idle = [DriverSample(100.0 + t, 0.0, 0.0) for t in (5, 10, 15, 21)]
     decisions = [scaler.decide(sample, None, 4, s).replicas for sample in idle]
     assert decisions == [4, 4, 4, 1]
+
+
+def test_scaler_brings_replicas_within_the_bounds_before_reading_any_metric() -> None:
+    s = spec(min_replicas=2, max_replicas=5)
+    scaler = GroupScaler()
+    up = scaler.decide(None, "the driver is not ready", 1, s)
+    assert (up.replicas, up.reason) == (2, "TooFewReplicas") and "[2, 5]" in up.message
+    busy = DriverSample(100.0, queue_depth=400.0, inflight=8.0)
+    down = scaler.decide(busy, None, 9, s)
+    assert (down.replicas, down.reason) == (5, "TooManyReplicas")
+    assert scaler.decide(None, "refused", 3, s).replicas is None, "within the bounds: metrics decide"

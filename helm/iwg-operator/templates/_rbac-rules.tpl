@@ -8,12 +8,13 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
 (iwg_operator.runtime), so it neither lists CRDs nor namespaces.
 */}}
 {{- define "iwg-operator.namespacedRules" -}}
-# Kopf: watch the groups, patch their finalizers, annotations and status.
+# Kopf: watch the groups, patch their annotations. Their status is written, their replicas set by the
+# autoscaler through the scale subresource (the right to scale, not to edit the spec).
 - apiGroups: [inference.iwg.dev]
   resources: [inferenceworkergroups]
   verbs: [list, watch, patch]
 - apiGroups: [inference.iwg.dev]
-  resources: [inferenceworkergroups/status]
+  resources: [inferenceworkergroups/status, inferenceworkergroups/scale]
   verbs: [patch]
 # Worker pods: an index fed by a watch, created and replaced one by one.
 - apiGroups: [""]

@@ -52,7 +52,15 @@ class GroupScaler:
     def decide(
         self, sample: DriverSample | None, error: str | None, current: int, spec: AutoscalingSpec
     ) -> ScaleDecision:
-        """Pure but for the memory of recommendations: hold on missing metrics, else recommend and stabilize."""
+        """Pure but for the memory of recommendations: bring replicas within [min, max] first (like the HPA,
+        with or without metrics), hold on missing metrics, else recommend and stabilize."""
+        bounded = min(max(current, spec.min_replicas), spec.max_replicas)
+        if bounded != current:
+            reason = "TooFewReplicas" if bounded > current else "TooManyReplicas"
+            bounds = f"[{spec.min_replicas}, {spec.max_replicas}]"
+            return ScaleDecision(
+                bounded, reason, f"{current} replicas outside {bounds} -> {bounded} replicas"
+            )
         if sample is None:
             self.previous = None
             return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {error}")
