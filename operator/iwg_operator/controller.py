@@ -72,6 +72,8 @@ class GroupState:
     backoff: float = 0.0
     posted: dict[str, str] = field(default_factory=dict)  # event reason -> last message, to post once
     children_attempted: bool = False  # a retry after a failed first pass looks before it creates
+    decided_generation: int = 0  # the generation whose spec was last accepted or rejected
+    invalid: str | None = None  # why the decided spec was rejected; the loop marks the group with it
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -114,46 +116,49 @@ class Controller:
     def bind_pod_index(self, lookup: PodLookup) -> None:
         self._pods = lookup
 
-    def observe_group(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        """Every watch event of a group: keep its latest body; a new generation wakes the loop."""
+    def observe_group(self, body: Mapping[str, Any]) -> bool:
+        """Every watch event of a live group: keep its latest body. True when its generation has not been
+        decided yet (the caller validates the spec, then accepts or rejects it); status writes, label edits
+        and repeated events of a decided generation change nothing else."""
         key = _key(body)
-        if event_type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
-            self.forget(key)
-            return
         state = self.groups.get(key)
         if state is None:
-            self.groups[key] = GroupState(key=key, body=body)
-            return
-        changed = state.generation != int(body.get("metadata", {}).get("generation") or 1)
-        state.body = body
-        if changed:
-            self._wake(state)
+            state = self.groups[key] = GroupState(key=key, body=body)
+        else:
+            state.body = body
+        return state.decided_generation != _generation(body)
 
     def accept(self, body: Mapping[str, Any], group: builders.Group) -> None:
-        """A valid spec (create, update, resume): reconcile towards it."""
-        state = self.groups.setdefault(group_key := _key(body), GroupState(key=group_key, body=body))
-        state.body = body if _generation(body) >= state.generation else state.body
+        """A valid spec: reconcile towards it."""
+        state = self._decided(body)
         state.group = group
+        state.invalid = None
+        self._start(state)
+
+    def reject(self, body: Mapping[str, Any], message: str) -> None:
+        """An invalid spec the API server could not catch: stop reconciling; the loop marks it, tells the user
+        once, and retries the marking if the API refuses it for a while."""
+        state = self._decided(body)
+        state.group = None
+        state.invalid = message
+        self._start(state)
+
+    def _decided(self, body: Mapping[str, Any]) -> GroupState:
+        state = self.groups.setdefault(key := _key(body), GroupState(key=key, body=body))
+        if _generation(body) >= state.generation:
+            # Keep the status this operator already knows when the body predates it.
+            known = state.current_status
+            state.body = body if body.get("status") or not known else {**body, "status": known}
+        state.decided_generation = _generation(body)
         state.backoff = 0.0
+        return state
+
+    def _start(self, state: GroupState) -> None:
         if state.task is None or state.task.done():
             state.task = asyncio.create_task(
-                self._run(state), name=f"reconcile {group_key[0]}/{group_key[1]}"
+                self._run(state), name=f"reconcile {state.key[0]}/{state.key[1]}"
             )
         self._wake(state)
-
-    async def reject(self, body: Mapping[str, Any], message: str) -> None:
-        """An invalid spec the API server could not catch: stop reconciling, mark it, tell the user once."""
-        key = _key(body)
-        state = self.groups.setdefault(key, GroupState(key=key, body=body))
-        known = state.current_status
-        # Keep the status this operator already knows when the handler's body predates it.
-        state.body = body if body.get("status") or not known else {**body, "status": known}
-        state.group = None
-        desired = status.invalid_spec_status(
-            key[1], state.generation, message, state.current_status, now_rfc3339()
-        )
-        await self._write_status(state, desired)
-        await self._event(state, "Warning", "SpecInvalid", message)
 
     def observed(self, key: GroupKey) -> list[planning.ObservedPod]:
         """The group's worker pods as the index shows them (for the health prober)."""
@@ -192,18 +197,20 @@ class Controller:
             await state.trigger.wait()
             await asyncio.sleep(DEBOUNCE_SECONDS)
             state.trigger.clear()
-            if state.group is None:
+            if state.group is None and state.invalid is None:
                 continue
             try:
                 with metrics.reconcile("reconcile"):
-                    recheck = await self.reconcile(state)
+                    recheck = await (
+                        self.reconcile(state) if state.invalid is None else self._mark_invalid(state)
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a retry with backoff, never a crash of the operator
                 if isinstance(error, ApiError) and error.namespace_terminating:
                     # The namespace goes, the group with it: no retries, no Events (they would be refused).
                     log.info("%s/%s: its namespace is being deleted; nothing more is created", *state.key)
-                    state.group = None  # a later spec update (accept) would try once more
+                    state.group = state.invalid = None  # a later spec update would try once more
                     continue
                 state.backoff = min(max(state.backoff * 2, MIN_BACKOFF_SECONDS), MAX_BACKOFF_SECONDS)
                 log.warning("reconcile %s/%s failed (retry in %.0fs): %r", *state.key, state.backoff, error)
@@ -283,6 +290,14 @@ class Controller:
         if state.expected_present or state.expected_gone:
             return EXPECTATION_SECONDS
         return None
+
+    async def _mark_invalid(self, state: GroupState) -> None:
+        assert state.invalid is not None
+        desired = status.invalid_spec_status(
+            state.key[1], state.generation, state.invalid, state.current_status, now_rfc3339()
+        )
+        await self._write_status(state, desired)
+        await self._event(state, "Warning", "SpecInvalid", state.invalid)
 
     # ------------------------------------------------------------------ observed state
 

@@ -92,27 +92,26 @@ async def worker_pod_event(
 
 
 @kopf.on.event(*GROUP_RESOURCE)
-async def group_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _controller(memo).observe_group(type, _plain(body))
-    if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
-        _supervisor(memo).forget(_group_key(body))
-
-
-@kopf.on.resume(*GROUP_RESOURCE)
-@kopf.on.create(*GROUP_RESOURCE)
-@kopf.on.update(*GROUP_RESOURCE)
-async def group_spec(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
-    controller = _controller(memo)
+async def group_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Every event of a group, the initial listing's included (the operator's resume). A spec is validated
+    once per generation; Kopf keeps no state on the object (no annotation patches, no finalizer)."""
+    controller, supervisor = _controller(memo), _supervisor(memo)
     _bind(controller, kwargs["worker_pods"])
+    key = _group_key(body)
+    if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+        controller.forget(key)
+        supervisor.forget(key)
+        return
     plain = _plain(body)
+    if not controller.observe_group(plain):
+        return
     try:
         group = group_from_body(plain)
     except api.ManifestError as error:
-        message = "; ".join(f"{path}: {text}" for path, text in error.errors)
-        await controller.reject(plain, message)
-        raise kopf.PermanentError(message) from None
+        controller.reject(plain, "; ".join(f"{path}: {text}" for path, text in error.errors))
+        return
     controller.accept(plain, group)
-    _supervisor(memo).watch((group.namespace, group.name))
+    supervisor.watch(key)
 
 
 def _group_key(body: kopf.Body) -> GroupKey:

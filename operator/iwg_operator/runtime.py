@@ -24,10 +24,6 @@ WORKER_POD_SELECTOR = labels.selector_string(
 def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # The operator posts its own Events (counted, deduplicated); Kopf's per-handler events would be noise writes.
     settings.posting.enabled = False
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inference.iwg.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="inference.iwg.dev", key="last-handled-configuration"
-    )
     # Watch only the operator's worker pods, filtered by the API server.
     settings.watching.label_selectors["pods"] = WORKER_POD_SELECTOR
     settings.watching.server_timeout = 300

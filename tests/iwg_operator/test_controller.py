@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
 import pytest
 from iwg_operator import builders
 from iwg_operator.api import v1alpha1 as api
-from iwg_operator.controller import Controller, GroupState, ReconcileRefused, group_from_body
+from iwg_operator.controller import (
+    DEBOUNCE_SECONDS,
+    MIN_BACKOFF_SECONDS,
+    Controller,
+    GroupState,
+    ReconcileRefused,
+    group_from_body,
+)
 from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, _api_error
 from iwg_operator.planning import ObservedPod, observe_pod
 
@@ -78,6 +86,11 @@ def body(**spec: Any) -> dict[str, Any]:
     }
 
 
+async def settled(ctl: Controller) -> None:
+    """Let the groups' loops run their passes (debounced) and stop before a recheck."""
+    await asyncio.sleep(DEBOUNCE_SECONDS * 4)
+
+
 def controller(kube: RecordingKube) -> Controller:
     made = Controller(kube, builders.BuildSettings())  # type: ignore[arg-type]
     made.bind_pod_index(lambda key: kube.pods())
@@ -134,8 +147,12 @@ async def test_invalid_spec_is_marked_once() -> None:
     message = "; ".join(f"{path}: {text}" for path, text in error.value.errors)
     assert "spec.worldSize" in message
 
-    await ctl.reject(bad, message)
-    await ctl.reject(bad, message)
+    assert ctl.observe_group(bad), "a generation seen for the first time is to be decided"
+    ctl.reject(bad, message)
+    assert not ctl.observe_group(bad), "the same generation again (a status write's event) is not"
+    await settled(ctl)
+    ctl.reject(bad, message)  # decided again all the same (an operator restart): nothing new to say
+    await settled(ctl)
     state = ctl.groups[("ns", "g")]
     assert state.current_status["phase"] == "Failed"
     conditions = {c["type"]: c for c in state.current_status["conditions"]}
@@ -148,6 +165,37 @@ async def test_invalid_spec_is_marked_once() -> None:
     assert [c for c in kube.calls if c[1] == "inferenceworkergroups/status"] == [
         ("patch", "inferenceworkergroups/status", "g")
     ], "an unchanged status is not written twice"
+
+    fixed = body(worldSize=2)
+    fixed["metadata"]["generation"] = 2
+    assert ctl.observe_group(fixed), "a new generation is decided again"
+    ctl.accept(fixed, group_from_body(fixed))
+    await settled(ctl)
+    assert any(c[:2] == ("create", "pods") for c in kube.calls), "the corrected spec is reconciled"
+    assert state.current_status["phase"] != "Failed"
+    await ctl.close()
+
+
+async def test_marking_an_invalid_spec_is_retried_when_the_api_refuses_it_for_a_while() -> None:
+    class FlakyStatus(RecordingKube):
+        failures = 1
+
+        async def patch_status(
+            self, resource: Resource, namespace: str, name: str, status: dict[str, Any]
+        ) -> dict[str, Any]:
+            if self.failures:
+                self.failures -= 1
+                self.calls.append(("patch", "refused", name))
+                raise ApiError(503, "ServiceUnavailable", "etcd leader changed")
+            return await super().patch_status(resource, namespace, name, status)
+
+    kube = FlakyStatus()
+    ctl = controller(kube)
+    ctl.reject(body(worldSize=100), "spec.worldSize: too large")
+    await asyncio.sleep(MIN_BACKOFF_SECONDS + DEBOUNCE_SECONDS * 4)
+    assert kube.failures == 0
+    assert ctl.groups[("ns", "g")].current_status["phase"] == "Failed", kube.calls
+    await ctl.close()
 
 
 async def test_first_pass_order_secret_and_policy_then_pods_then_status_then_the_rest() -> None:

@@ -216,6 +216,8 @@ def test_quiet_group_causes_no_writes(
     before = writes()
     time.sleep(10)
     assert writes() == before, "a settled group must not cause API writes"
+    metadata = groups.get("quiet")["metadata"]
+    assert not metadata.get("annotations") and not metadata.get("finalizers"), "Kopf keeps no state on groups"
     groups.delete("quiet")
 
 

@@ -8,11 +8,11 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
 (iwg_operator.runtime), so it neither lists CRDs nor namespaces.
 */}}
 {{- define "iwg-operator.namespacedRules" -}}
-# Kopf: watch the groups, patch their annotations. Their status is written, their replicas set by the
-# autoscaler through the scale subresource (the right to scale, not to edit the spec).
+# The groups: watched (Kopf keeps no annotation or finalizer on them), their status written, their replicas
+# set by the autoscaler through the scale subresource (the right to scale, not to edit the spec).
 - apiGroups: [inference.iwg.dev]
   resources: [inferenceworkergroups]
-  verbs: [list, watch, patch]
+  verbs: [list, watch]
 - apiGroups: [inference.iwg.dev]
   resources: [inferenceworkergroups/status, inferenceworkergroups/scale]
   verbs: [patch]
