@@ -421,9 +421,9 @@ class Controller:
                 await self.kube.create(SECRETS, group.namespace, manifest)
                 return
             except ApiError as error:
-                if error.refusal and error.status != 409:
-                    raise _refused("Secret", name, error) from error
                 if error.status != 409:
+                    if error.refusal:
+                        raise _refused("Secret", name, error) from error
                     raise
             current = await self.kube.get(SECRETS, group.namespace, name)
         if current is not None:

@@ -294,14 +294,7 @@ class KubeApi:
     async def patch_status(
         self, resource: Resource, namespace: str, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:
-        return await self._request(
-            "patch",
-            "PATCH",
-            resource,
-            resource.path(namespace, name, "status"),
-            {"status": status},
-            content_type="application/merge-patch+json",
-        )
+        return await self.patch(resource, namespace, name, {"status": status}, "status")
 
     async def list(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """The objects matching a label selector (the autoscaler finds the driver pod with it)."""
