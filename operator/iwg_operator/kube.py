@@ -262,7 +262,7 @@ class KubeApi:
                 self.requests.add(verb, resource.plural, response.status)
                 text = await response.text()
                 if response.status >= 400:
-                    raise _api_error(response.status, text)
+                    raise api_error(response.status, text)
                 result: dict[str, Any] = json.loads(text) if text else {}
                 return result
 
@@ -356,7 +356,8 @@ class KubeApi:
         return True
 
 
-def _api_error(status: int, text: str) -> ApiError:
+def api_error(status: int, text: str) -> ApiError:
+    """The API server's Status response (or whatever text came instead) as an ApiError."""
     try:
         payload = json.loads(text)
     except json.JSONDecodeError:

@@ -10,7 +10,6 @@ what the operator did, Kopf's watches and patches included, to compare against w
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
 import threading
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 from aiohttp import web
+from iwg_operator.kube import api_error
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the length/encoding aiohttp redoes.
 _HOP_HEADERS = frozenset(
@@ -168,7 +168,13 @@ class RecordingProxy:
                     response.headers.add(key, value)
             if upstream.status >= 400:  # a Status object: small, and its causes say why
                 error = await upstream.read()
-                self._record(request.method, request.path_qs, content_type, upstream.status, _causes(error))
+                self._record(
+                    request.method,
+                    request.path_qs,
+                    content_type,
+                    upstream.status,
+                    api_error(upstream.status, error.decode(errors="replace")).causes,
+                )
                 await response.prepare(request)
                 await response.write(error)
                 await response.write_eof()
@@ -182,16 +188,6 @@ class RecordingProxy:
             except (aiohttp.ClientError, ConnectionResetError):
                 pass  # either side went away mid-stream (a watch ending): nothing more to relay
             return response
-
-
-def _causes(body: bytes) -> tuple[str, ...]:
-    try:
-        status = json.loads(body)
-    except ValueError:
-        return ()
-    details = status.get("details") if isinstance(status, dict) else None
-    causes = details.get("causes") if isinstance(details, dict) else None
-    return tuple(str(c.get("reason")) for c in causes or () if isinstance(c, dict))
 
 
 def rules_used(requests: Iterable[Request]) -> set[tuple[str, str, str]]:

@@ -17,7 +17,7 @@ from iwg_operator.controller import (
     ReconcileRefused,
     group_from_body,
 )
-from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, _api_error
+from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, api_error
 from iwg_operator.planning import ObservedPod, observe_pod
 
 
@@ -313,13 +313,13 @@ async def test_pods_refused_by_a_closing_namespace_end_the_pass_without_status_o
 
 
 def test_api_errors_keep_the_causes_the_server_gives() -> None:
-    closing = _api_error(
+    closing = api_error(
         403,
         '{"kind":"Status","reason":"Forbidden","message":"pods is forbidden: being terminated",'
         '"details":{"causes":[{"reason":"NamespaceTerminating","field":"metadata.namespace"}]}}',
     )
     assert closing.namespace_terminating and not closing.refusal and closing.reason == "Forbidden"
-    rbac = _api_error(403, '{"kind":"Status","reason":"Forbidden","message":"no","details":{"kind":"pods"}}')
+    rbac = api_error(403, '{"kind":"Status","reason":"Forbidden","message":"no","details":{"kind":"pods"}}')
     assert rbac.refusal and not rbac.namespace_terminating
-    assert not _api_error(429, "slow down").refusal
-    assert _api_error(422, '{"details":{"causes":"not a list"}}').causes == ()
+    assert not api_error(429, "slow down").refusal
+    assert api_error(422, '{"details":{"causes":"not a list"}}').causes == ()
