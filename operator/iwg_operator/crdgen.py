@@ -26,6 +26,9 @@ REFERENCE_PATH = Path("docs") / "crd-reference.md"
 CHART_CRD_PATH = Path("helm") / "iwg-operator" / CRD_PATH
 
 _DROPPED_KEYS = {"title", "additionalProperties"}
+# Fields holding an embedded Kubernetes type (iwg_operator/api/embedded.py): the reference page names the type
+# instead of repeating its schema.
+EMBEDDED_FIELDS = {"spec.scheduling.affinity": "core/v1 Affinity"}
 _OBJECT_KEY_ORDER = ("description", "type")
 
 Schema = dict[str, Any]
@@ -124,10 +127,12 @@ def openapi_schema() -> Schema:
         "properties": {
             "apiVersion": {"type": "string", "description": "inference.iwg.dev/v1alpha1"},
             "kind": {"type": "string", "description": "InferenceWorkerGroup"},
-            "metadata": {"type": "object"},
+            # Declared so that the root rules' fieldPath can point at it (only name may be constrained here).
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": spec_schema(),
             "status": status_schema(),
         },
+        # Rules at the root name the field they check; without fieldPath the server reports `<nil>`.
         "x-kubernetes-validations": [
             {
                 "rule": f"size(self.metadata.name) <= {api.MAX_GROUP_NAME_LENGTH}",
@@ -135,10 +140,14 @@ def openapi_schema() -> Schema:
                     f"metadata.name must be at most {api.MAX_GROUP_NAME_LENGTH} characters "
                     "(pod names <name>-r<replica>-w<rank> must stay DNS labels)"
                 ),
+                "fieldPath": ".metadata.name",
+                "reason": "FieldValueInvalid",
             },
             {
                 "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
                 "message": "metadata.name must be a DNS label starting with a letter (it names Services)",
+                "fieldPath": ".metadata.name",
+                "reason": "FieldValueInvalid",
             },
         ],
     }
@@ -258,10 +267,13 @@ def _walk(path: str, schema: Schema, out: list[str]) -> None:
             if default is None or default == {}
             else f"`{yaml.safe_dump(default).strip().removesuffix('...').strip()}`"
         )
+        kind = EMBEDDED_FIELDS.get(f"{path}.{name}") or _type_of(prop)
         out.append(
-            f"| `{name}` | {_cell(_type_of(prop))} | {_cell(default_text)} | "
+            f"| `{name}` | {_cell(kind)} | {_cell(default_text)} | "
             f"{_cell(_constraints(prop, name in required))} | {_cell(prop.get('description', ''))} |"
         )
+        if f"{path}.{name}" in EMBEDDED_FIELDS:
+            continue
         if "properties" in prop:
             nested.append((f"{path}.{name}", prop))
         elif prop.get("type") == "array" and "properties" in prop.get("items", {}):

@@ -16,6 +16,8 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from tests.cluster.waiting import eventually
+
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
@@ -85,8 +87,18 @@ def iwg_crd(control_plane: Any) -> dict[str, Any]:
     """The generated CRD, installed and Established."""
     manifest = yaml.safe_load(crdgen.render_crd())
     control_plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(manifest))
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", f"crd/{manifest['metadata']['name']}", "--timeout=60s"
+    # `kubectl wait` fails instead of waiting while the new CRD has no conditions yet: poll.
+    extensions = client.ApiextensionsV1Api(control_plane.api_client())
+    eventually(
+        lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in extensions.read_custom_resource_definition(
+                manifest["metadata"]["name"]
+            ).status.conditions
+            or []
+        ),
+        timeout=60,
+        what="the CRD Established",
     )
     return manifest
 

@@ -9,13 +9,16 @@ same messages.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -28,6 +31,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
+
+from iwg_operator.api import embedded, wiring
 
 GROUP = "inference.iwg.dev"
 VERSION = "v1alpha1"
@@ -48,10 +53,55 @@ PACKAGE_PATH_PREFIX = "pkg:"
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 CLASS_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+# An image reference as container runtimes parse it: [domain[:port]/]path[:tag][@digest] (the grammar of
+# github.com/distribution/reference, written out here). RE2 and Python accept it alike.
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_DOMAIN = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+IMAGE_PATTERN = rf"^(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::{_TAG})?(?:@{_DIGEST})?$"
+# A label value (Kubernetes IsValidLabelValue), for values the operator copies into node selectors.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# A string a process can receive (environment variables, paths): no NUL byte.
+NO_NUL_PATTERN = r"^[^\x00]*$"
+# An absolute path in normal form: no `.`, `..` or empty segments, no trailing slash (a volume's mountPath).
+CLEAN_ABSOLUTE_PATH_PATTERN = r"^(/([^/.\x00][^/\x00]*|[.][^/.\x00][^/\x00]*|[.][.][^/\x00]+))+$"
+# A `..` segment anywhere in a path.
+PARENT_SEGMENT_PATTERN = r"(^|/)[.][.](/|$)"
+# `pkg:<module>/<subdir>`: a dotted module name, then a relative directory inside the package.
+PACKAGE_PATH_PATTERN = r"^pkg:[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*/[^/\x00][^\x00]*$"
 QUANTITY_PATTERN = r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 # Environment variables the operator owns (api/wiring.py); a user's `worker.env` may not override them.
 RESERVED_ENV_PREFIX = "IWG_"
 RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+# Quantities above 2^53 (8Pi) parse but overflow what the scheduler and kubelet compute with.
+MAX_QUANTITY = "8Pi"
+_MAX_QUANTITY_VALUE = Decimal(2**53)
+_QUANTITY_SUFFIXES = {
+    **{f"{p}i": Decimal(1024) ** (i + 1) for i, p in enumerate("KMGTPE")},
+    **{s: Decimal(10) ** e for s, e in zip("numkMGTPE", (-9, -6, -3, 3, 6, 9, 12, 15, 18), strict=True)},
+}
+
+
+def quantity_value(text: str) -> Decimal:
+    """A quantity that matches QUANTITY_PATTERN as a number (`1Ki` -> 1024, `1e3` -> 1000, `5m` -> 0.005).
+
+    A suffix is the last one or two letters; an exponent (`e3`, `E+3`) always ends in a digit.
+    """
+    for length in (2, 1):
+        multiplier = _QUANTITY_SUFFIXES.get(text[-length:])
+        if multiplier is not None:
+            return Decimal(text[:-length]) * multiplier
+    return Decimal(text)
+
+
+def _quantity_within_bounds(text: str) -> str:
+    if quantity_value(text) > _MAX_QUANTITY_VALUE:
+        raise ValueError(f"must be at most {MAX_QUANTITY}")
+    return text
 
 
 def _quantity_to_str(value: object) -> object:
@@ -62,16 +112,27 @@ def _quantity_to_str(value: object) -> object:
     return value
 
 
-# A non-negative Kubernetes resource quantity ("2", "500m", "16Gi"); YAML may give it as a number.
+# A non-negative Kubernetes resource quantity ("2", "500m", "16Gi") of at most MAX_QUANTITY; YAML may give it
+# as a number.
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),
     Field(pattern=QUANTITY_PATTERN, max_length=64),
+    AfterValidator(_quantity_within_bounds),
     WithJsonSchema(
         {
             "anyOf": [{"type": "integer"}, {"type": "string"}],
             "pattern": QUANTITY_PATTERN,
             "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        f"type(self) == int ? self <= {2**53} : "
+                        f"(!isQuantity(self) || quantity(self).compareTo(quantity('{MAX_QUANTITY}')) <= 0)"
+                    ),
+                    "message": f"must be at most {MAX_QUANTITY}",
+                }
+            ],
         }
     ),
 ]
@@ -141,9 +202,24 @@ class ModelVolume(ApiModel):
     )
     mount_path: str = Field(
         default="/models",
-        pattern=r"^/.*",
+        min_length=2,
         max_length=1024,
-        description="Where the claim is mounted in the worker container; model.path must lie under it.",
+        description=(
+            "Where the claim is mounted in the worker container: an absolute path without `.`, `..` or empty "
+            "segments; model.path must lie under it."
+        ),
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"self.mountPath.matches('{CLEAN_ABSOLUTE_PATH_PATTERN}')",
+            message=(
+                "spec.model.volume.mountPath must be an absolute path without '.', '..' or empty segments "
+                "and without a trailing slash"
+            ),
+            check=lambda v: re.fullmatch(CLEAN_ABSOLUTE_PATH_PATTERN, v.mount_path) is not None,
+            field_path=".mountPath",
+        ),
     )
 
 
@@ -156,9 +232,10 @@ class ModelSpec(ApiModel):
     path: str = Field(
         min_length=1,
         max_length=1024,
+        pattern=NO_NUL_PATTERN,
         description=(
             "Directory of the model (config, weights, tokenizer) inside the worker container, or "
-            "`pkg:<module>/<subdir>` for a directory shipped in an installed Python package."
+            "`pkg:<module>/<subdir>` for a directory shipped in an installed Python package; no `..` segments."
         ),
     )
     volume: ModelVolume | None = Field(
@@ -177,9 +254,27 @@ class ModelSpec(ApiModel):
 
     cross_field_rules = (
         CrossFieldRule(
-            cel="!has(self.volume) || self.path.startsWith(self.volume.mountPath)",
-            message="spec.model.path must lie under spec.model.volume.mountPath",
-            check=lambda m: m.volume is None or m.path.startswith(m.volume.mount_path),
+            cel=f"!self.path.matches('{PARENT_SEGMENT_PATTERN}')",
+            message="spec.model.path must not contain '..' segments",
+            check=lambda m: re.search(PARENT_SEGMENT_PATTERN, m.path) is None,
+            field_path=".path",
+        ),
+        CrossFieldRule(
+            cel=(
+                "!has(self.volume) || self.path == self.volume.mountPath || "
+                "self.path.startsWith(self.volume.mountPath + '/')"
+            ),
+            message="spec.model.path must lie under spec.model.volume.mountPath (as a path, not a string prefix)",
+            check=lambda m: m.volume is None or _path_under(m.path, m.volume.mount_path),
+            field_path=".path",
+        ),
+        CrossFieldRule(
+            cel=f"!self.path.startsWith('pkg:') || self.path.matches('{PACKAGE_PATH_PATTERN}')",
+            message="spec.model.path pkg: references must read pkg:<module>/<subdir> (a dotted module name)",
+            check=lambda m: (
+                not m.path.startswith(PACKAGE_PATH_PREFIX)
+                or re.fullmatch(PACKAGE_PATH_PATTERN, m.path) is not None
+            ),
             field_path=".path",
         ),
         CrossFieldRule(
@@ -193,6 +288,10 @@ class ModelSpec(ApiModel):
     def resolved_path(self) -> Path:
         """The model directory on this machine; `pkg:<module>/<subdir>` is looked up without importing it."""
         return resolve_model_path(self.path)
+
+
+def _path_under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory + "/")
 
 
 def resolve_model_path(path: str) -> Path:
@@ -216,7 +315,9 @@ class EnvVar(ApiModel):
     """A plain environment variable for the worker container."""
 
     name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
-    value: str = Field(default="", max_length=4096, description="Variable value.")
+    value: str = Field(
+        default="", max_length=4096, pattern=NO_NUL_PATTERN, description="Variable value (no NUL byte)."
+    )
 
 
 def _env_is_not_reserved(env: EnvVar) -> bool:
@@ -227,7 +328,11 @@ class WorkerSpec(ApiModel):
     """The worker pods: one per rank of every replica."""
 
     image: str = Field(
-        default=DEFAULT_WORKER_IMAGE, min_length=1, max_length=512, description="Worker container image."
+        default=DEFAULT_WORKER_IMAGE,
+        min_length=1,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description="Worker container image: a reference `[registry/]repository[:tag][@digest]`.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the worker image."
@@ -311,15 +416,65 @@ class DriverSpec(ApiModel):
     """The group's driver: HTTP front end, batcher and ZMQ executor for all replicas."""
 
     image: str | None = Field(
-        default=None, min_length=1, max_length=512, description="Driver image; the worker image when unset."
+        default=None,
+        min_length=1,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description="Driver image (a reference like spec.worker.image); the worker image when unset.",
     )
-    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the driver and its Service.")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description=(
+            f"HTTP port of the driver and its Service; not {wiring.DEFAULT_RPC_PORT} or "
+            f"{wiring.DEFAULT_RESPONSE_PORT} (the driver's ZMQ ports)."
+        ),
+    )
     cpu: Quantity | None = Field(default=None, description="CPU request and limit of the driver pod.")
     memory: Quantity | None = Field(default=None, description="Memory request and limit of the driver pod.")
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Request batching.")
 
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"self.port != {wiring.DEFAULT_RPC_PORT} && self.port != {wiring.DEFAULT_RESPONSE_PORT}",
+            message=(
+                f"spec.driver.port must not be {wiring.DEFAULT_RPC_PORT} or {wiring.DEFAULT_RESPONSE_PORT} "
+                "(the driver's ZMQ ports)"
+            ),
+            check=lambda d: d.port not in (wiring.DEFAULT_RPC_PORT, wiring.DEFAULT_RESPONSE_PORT),
+            field_path=".port",
+        ),
+    )
+
 
 # ----------------------------------------------------------------------------------------------- scheduling
+
+
+class NestedFieldErrors(ValueError):
+    """Errors inside a field's value, each with its path below the field (`.nodeAffinity`, `[0]`)."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+
+
+def _embedded(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        problems = embedded.errors(name, value)
+        if problems:
+            raise NestedFieldErrors(problems)
+        return value
+
+    return check
+
+
+# A core/v1 Affinity with its real schema (from the API server's OpenAPI document): unknown keys are errors.
+Affinity = Annotated[
+    dict[str, Any],
+    AfterValidator(_embedded(embedded.AFFINITY)),
+    WithJsonSchema(embedded.schema(embedded.AFFINITY)),
+]
 
 
 class Toleration(ApiModel):
@@ -364,15 +519,15 @@ class SchedulingSpec(ApiModel):
         max_length=32,
         description="Extra tolerations; the nvidia.com/gpu taint is tolerated automatically when gpus > 0.",
     )
-    affinity: dict[str, Any] | None = Field(
+    affinity: Affinity | None = Field(
         default=None,
         description="A core/v1 Affinity merged into every worker pod (co-location terms are added to it).",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
     gpu_product: str | None = Field(
         default=None,
         min_length=1,
         max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
         description="Required value of the node label nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
     )
     gpus_per_node: int | None = Field(
@@ -653,10 +808,15 @@ def _field_path(loc: tuple[int | str, ...], prefix: tuple[str, ...] = ()) -> str
 
 def format_validation_error(error: ValidationError, prefix: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """Turn pydantic's errors into (manifest field path, message) pairs, e.g. ('spec.worker.gpus', ...)."""
-    result = []
+    result: list[tuple[str, str]] = []
     for item in error.errors():
+        path = _field_path(tuple(item["loc"]), prefix)
+        nested = (item.get("ctx") or {}).get("error")
+        if isinstance(nested, NestedFieldErrors):
+            result.extend((path + inner, message) for inner, message in nested.problems)
+            continue
         message = str(item["msg"]).removeprefix("Value error, ")
-        result.append((_field_path(tuple(item["loc"]), prefix), message))
+        result.append((path, message))
     return result
 
 
