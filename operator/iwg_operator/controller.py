@@ -23,6 +23,7 @@ import zmq
 from iwg_operator import builders, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
+from iwg_operator.builders.workers import name_group_fields
 from iwg_operator.health.policy import avoid_nodes
 from iwg_operator.kube import (
     CONFIG_MAPS,
@@ -378,7 +379,8 @@ class Controller:
                 if isinstance(result, ApiError) and result.status == 409:
                     continue  # it exists: the index will show it
                 if isinstance(result, ApiError) and result.refusal:
-                    return created, f"pod {manifest['metadata']['name']}: {result.message}"
+                    refusal = name_group_fields(result.message)
+                    return created, f"pod {manifest['metadata']['name']}: {refusal}"
                 if isinstance(result, BaseException):
                     raise result
                 state.expected_present[manifest["metadata"]["name"]] = deadline

@@ -163,14 +163,15 @@ def test_api_server_and_load_manifest_refuse_naming_the_field(
 
 
 # Groups that pass admission but whose pods or children the API server refuses: (case, spec, words in the condition)
+# The condition names the group's field a pod field came from, never the pod's own name for it.
 OPERATOR_CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("affinity-invalid", {"scheduling": {"affinity": {"podAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}, "topologyKey": ""}]}}}},
-     ("affinity", "topologyKey")),
-    ("node-selector-key", {"scheduling": {"nodeSelector": {"bad key!": "x"}}}, ("nodeSelector",)),
+     ("spec.scheduling.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey",)),
+    ("node-selector-key", {"scheduling": {"nodeSelector": {"bad key!": "x"}}}, ("spec.scheduling.nodeSelector",)),
     ("priority-class-missing", {"scheduling": {"priorityClassName": "no-such-class"}}, ("PriorityClass",)),
     ("toleration-key", {"scheduling": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}},
-     ("tolerations", "key")),
+     ("spec.scheduling.tolerations[0].key",)),
     ("driver-service-taken", {}, ("Service", "not owned")),
 ]  # fmt: skip
 

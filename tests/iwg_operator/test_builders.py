@@ -9,6 +9,7 @@ import zmq
 from iwg_operator import builders, labels
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.api import wiring
+from iwg_operator.builders.workers import name_group_fields
 
 SETTINGS = builders.BuildSettings(cluster_domain="cluster.local", operator_namespace="iwg-system")
 
@@ -187,3 +188,16 @@ def test_scaling_never_changes_the_driver_pod_template() -> None:
         assert builders.driver_deployment(scaled)["spec"]["template"] == template
     env = env_of(template["spec"]["containers"][0])
     assert env[wiring.REPLICAS] == str(api.MAX_REPLICAS)
+
+
+def test_refusals_of_a_worker_pod_name_the_groups_fields() -> None:
+    refusal = (
+        'Pod "g-r0-w0" is invalid: [spec.tolerations[1].key: Invalid value: "a b", '
+        'spec.containers[0].resources.limits[memory]: Invalid value: "1", spec.containers[0].image: Required '
+        "value, spec.nodeSelector: Invalid value: \"x y\", spec.containers[0].env[3].name: Invalid value: ''"
+    )
+    named = name_group_fields(refusal)
+    assert "spec.scheduling.tolerations[1].key" in named
+    assert "spec.worker.memory" in named and "spec.worker.image" in named
+    assert "spec.scheduling.nodeSelector" in named
+    assert "spec.containers[0].env[3].name" in named  # the operator's own fields keep the pod's names

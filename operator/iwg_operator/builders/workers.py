@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 from iwg_operator import labels
 from iwg_operator.api import wiring
@@ -208,3 +209,26 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
     if spec.scheduling.scheduler_name:
         pod_spec["schedulerName"] = spec.scheduling.scheduler_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+# Pod fields the operator fills from the group's fields, as the API server names them in a refusal. What it
+# copies under another name that the pod could refuse (spec.scheduling.gpuProduct into the node selector) is
+# checked at admission already.
+_FROM_GROUP = (
+    (r"spec\.nodeSelector", "spec.scheduling.nodeSelector"),
+    (r"spec\.tolerations", "spec.scheduling.tolerations"),
+    (r"spec\.affinity", "spec.scheduling.affinity"),
+    (r"spec\.priorityClassName", "spec.scheduling.priorityClassName"),
+    (r"spec\.schedulerName", "spec.scheduling.schedulerName"),
+    (r"spec\.containers\[0\]\.image", "spec.worker.image"),
+    (r"spec\.containers\[0\]\.resources\.(?:limits|requests)\[cpu\]", "spec.worker.cpu"),
+    (r"spec\.containers\[0\]\.resources\.(?:limits|requests)\[memory\]", "spec.worker.memory"),
+)
+
+
+def name_group_fields(message: str) -> str:
+    """A refusal of a worker pod with the pod's fields renamed to the group's fields they came from: the user
+    reads the field they wrote (`spec.scheduling.tolerations[0].key`), not the pod's (`spec.tolerations`)."""
+    for pod_field, group_field in _FROM_GROUP:
+        message = re.sub(r"(?<![\w.\]])" + pod_field + r"(?!\w)", group_field, message)
+    return message
