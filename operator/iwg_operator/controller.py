@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,7 +25,7 @@ from iwg_operator import builders, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
 from iwg_operator.builders.workers import name_group_fields
-from iwg_operator.health.policy import avoid_nodes
+from iwg_operator.health.policy import avoid_nodes, current_avoided
 from iwg_operator.kube import (
     CONFIG_MAPS,
     DEPLOYMENTS,
@@ -52,6 +53,8 @@ WRITE_CONCURRENCY = 16
 # Groups writing their driver, Services and policies at once: those requests wait behind every pod anyway, and
 # building them for hundreds of groups at a time only holds memory.
 SUPPORT_CONCURRENCY = 16
+# Seconds after which a pod no scheduler has looked at is reported (condition Unschedulable, NotScheduled).
+ENV_SCHEDULING_TIMEOUT = "IWG_SCHEDULING_TIMEOUT_S"
 MIN_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 300.0
 
@@ -109,8 +112,9 @@ class Controller:
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
         self._support_slots = asyncio.Semaphore(SUPPORT_CONCURRENCY)
-        # Nodes where a worker of the group reported a device fault: new pods are kept off them (health prober).
-        self.avoided_nodes: dict[GroupKey, set[str]] = {}
+        self.scheduling_timeout = float(
+            os.environ.get(ENV_SCHEDULING_TIMEOUT, status.DEFAULT_SCHEDULING_TIMEOUT_SECONDS)
+        )
 
     # ------------------------------------------------------------------ fed by the handlers
 
@@ -270,6 +274,8 @@ class Controller:
                 state.current_status,
                 now_rfc3339(),
                 failure,
+                group.spec.scheduling.scheduler_name,
+                self.scheduling_timeout,
             )
 
         await self._write_status(state, current_status())
@@ -288,9 +294,10 @@ class Controller:
             await self._event(state, "Warning", "ReconcileFailed", failure)
             raise ReconcileRefused(failure)
         state.posted.pop("ReconcileFailed", None)
+        rechecks = [status.scheduling_recheck(pods, now_rfc3339(), self.scheduling_timeout)]
         if state.expected_present or state.expected_gone:
-            return EXPECTATION_SECONDS
-        return None
+            rechecks.append(EXPECTATION_SECONDS)
+        return min((r for r in rechecks if r is not None), default=None)
 
     async def _mark_invalid(self, state: GroupState) -> None:
         assert state.invalid is not None
@@ -366,7 +373,10 @@ class Controller:
         wave = group.spec.world_size
         while todo:
             batch, todo = todo[:wave], todo[wave:]
-            avoided = self.avoided_nodes.get(state.key, set())
+            # Nodes where a worker reported a device fault (the prober keeps them in the status): kept off.
+            avoided = [
+                e["node"] for e in current_avoided(state.current_status.get("avoidedNodes"), now_rfc3339())
+            ]
             manifests = [
                 avoid_nodes(builders.worker_pod(group, replica, rank, self.settings), avoided)
                 for replica, rank in batch
@@ -472,9 +482,15 @@ class Controller:
             metrics.group_phase(namespace, name, str(desired["phase"]))
 
     async def _report_unschedulable(self, state: GroupState, pods: list[planning.ObservedPod]) -> None:
+        """One Warning per distinct reason: the scheduler's refusal, or the condition's word that no scheduler
+        picked the pods up."""
         stuck = sorted((p for p in pods if p.unschedulable and not p.terminating), key=lambda p: p.name)
         if stuck:
             await self._event(state, "Warning", "Unschedulable", f"{stuck[0].name}: {stuck[0].unschedulable}")
+            return
+        condition = status.previous_conditions(state.current_status).get(status.UNSCHEDULABLE) or {}
+        if condition.get("reason") == "NotScheduled":
+            await self._event(state, "Warning", "Unschedulable", str(condition.get("message")))
         else:
             state.posted.pop("Unschedulable", None)
 

@@ -36,6 +36,8 @@ class ObservedPod:
     uid: str = ""
     ip: str | None = None  # for the health prober
     restarts: int = 0  # container restarts the kubelet made (the health prober counts a restart as a failure)
+    created: str | None = None  # creationTimestamp (RFC 3339)
+    seen_by_scheduler: bool = False  # a scheduler wrote its PodScheduled condition (bound or not)
 
 
 def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
@@ -69,6 +71,8 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         uid=str(metadata.get("uid") or ""),
         ip=status.get("podIP") or None,
         restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
+        created=metadata.get("creationTimestamp"),
+        seen_by_scheduler="PodScheduled" in conditions,
     )
 
 

@@ -7,6 +7,7 @@ an identical status and the operator writes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from iwg_operator import labels
@@ -20,6 +21,33 @@ SPEC_INVALID = "SpecInvalid"
 RECONCILE_FAILED = "ReconcileFailed"
 
 Status = dict[str, Any]
+
+# A pod that no scheduler has looked at this long after its creation is reported: its schedulerName names a
+# scheduler that does not run (or the default scheduler is down).
+DEFAULT_SCHEDULING_TIMEOUT_SECONDS = 60.0
+
+
+def _age(pod: ObservedPod, now: str) -> float:
+    if not pod.created:
+        return 0.0
+    return (datetime.fromisoformat(now) - datetime.fromisoformat(pod.created)).total_seconds()
+
+
+def unbound(pods: Iterable[ObservedPod]) -> list[ObservedPod]:
+    """Live pods not bound to a node (placed means bound)."""
+    return sorted((p for p in pods if not p.node and not p.terminating), key=lambda p: p.name)
+
+
+def not_picked_up(pods: Iterable[ObservedPod], now: str, timeout: float) -> list[ObservedPod]:
+    """Unbound pods no scheduler has looked at `timeout` seconds after their creation."""
+    return [p for p in unbound(pods) if not p.seen_by_scheduler and _age(p, now) >= timeout]
+
+
+def scheduling_recheck(pods: Iterable[ObservedPod], now: str, timeout: float) -> float | None:
+    """Seconds until an unbound pod no scheduler has seen would count as not picked up, if any will."""
+    waits = [timeout - _age(p, now) for p in unbound(pods) if not p.seen_by_scheduler]
+    pending = [wait for wait in waits if wait > 0]
+    return min(pending) if pending else None
 
 
 def condition(
@@ -59,8 +87,11 @@ def group_status(
     previous: Mapping[str, Any] | None,
     now: str,
     failure: str | None = None,
+    scheduler_name: str | None = None,
+    scheduling_timeout: float = DEFAULT_SCHEDULING_TIMEOUT_SECONDS,
 ) -> Status:
-    """The status the group should show. `failure` is an error from applying the plan (API refusal)."""
+    """The status the group should show. `failure` is an error from applying the plan (API refusal);
+    `scheduler_name` is spec.scheduling.schedulerName, named when no scheduler picks the pods up."""
     pods = list(pods)
     views = replica_views(desired, pods)
     kept = [views[i] for i in range(desired.replicas)]
@@ -68,13 +99,15 @@ def group_status(
     ready = sum(1 for v in kept if v.available)
     updated = sum(1 for v in kept if v.live and not v.outdated and not v.missing_ranks)
     unschedulable = sorted((p for p in pods if p.unschedulable and not p.terminating), key=lambda p: p.name)
+    waiting = unbound(pods)
+    ignored = not_picked_up(pods, now, scheduling_timeout) if waiting else []
     failed_pods = [p for p in pods if p.phase == "Failed"]
     settled = plan.empty and not plan.waiting_for_termination and updated == desired.replicas
     before = previous_conditions(previous)
 
     if failure is not None:
         phase = "Failed" if ready == 0 else "Degraded"
-    elif unschedulable or failed_pods:
+    elif unschedulable or ignored or failed_pods:
         phase = "Pending" if ready == 0 else "Degraded"
     elif ready == desired.replicas and settled:
         phase = "Running"
@@ -106,6 +139,8 @@ def group_status(
     degraded_reasons = []
     if unschedulable:
         degraded_reasons.append(f"{len(unschedulable)} pod(s) unschedulable")
+    if ignored:
+        degraded_reasons.append(f"{len(ignored)} pod(s) not picked up by any scheduler")
     if failed_pods:
         degraded_reasons.append(f"{len(failed_pods)} pod(s) failed")
     if failure is not None:
@@ -116,6 +151,8 @@ def group_status(
             bool(degraded_reasons),
             "Unschedulable"
             if unschedulable
+            else "NotScheduled"
+            if ignored
             else ("PodsFailed" if failed_pods else ("ReconcileFailed" if failure else "Healthy")),
             "; ".join(degraded_reasons) or "no problems",
             generation,
@@ -126,11 +163,8 @@ def group_status(
     conditions.append(
         condition(
             UNSCHEDULABLE,
-            bool(unschedulable),
-            "Unschedulable" if unschedulable else "Scheduled",
-            f"{unschedulable[0].name}: {unschedulable[0].unschedulable}"
-            if unschedulable
-            else "all pods placed",
+            bool(unschedulable or ignored),
+            *_scheduling(unschedulable, ignored, waiting, scheduler_name, scheduling_timeout),
             generation,
             before,
             now,
@@ -176,6 +210,32 @@ def group_status(
         ],
         "conditions": conditions,
     }
+
+
+def _scheduling(
+    unschedulable: list[ObservedPod],
+    ignored: list[ObservedPod],
+    waiting: list[ObservedPod],
+    scheduler_name: str | None,
+    timeout: float,
+) -> tuple[str, str]:
+    """Reason and message of the Unschedulable condition: the scheduler's refusal, pods no scheduler picked
+    up, pods waiting for a node, or every pod bound."""
+    if unschedulable:
+        return "Unschedulable", f"{unschedulable[0].name}: {unschedulable[0].unschedulable}"
+    if ignored:
+        scheduler = (
+            f"spec.scheduling.schedulerName {scheduler_name!r}"
+            if scheduler_name
+            else "the default scheduler (spec.scheduling.schedulerName unset)"
+        )
+        return "NotScheduled", (
+            f"{len(ignored)} pod(s) not picked up by any scheduler {timeout:g}s after creation "
+            f"(first {ignored[0].name}): is {scheduler} running?"
+        )
+    if waiting:
+        return "Scheduling", f"{len(waiting)} pod(s) waiting to be bound to a node"
+    return "Scheduled", "all pods bound to nodes"
 
 
 def invalid_spec_status(

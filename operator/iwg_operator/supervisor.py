@@ -22,6 +22,7 @@ from iwg_operator import labels, metrics, status
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision, drain_replicas
 from iwg_operator.builders.common import ADMIN_TOKEN_KEY, secret_name
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
+from iwg_operator.health.policy import avoid_after_fault, current_avoided
 from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
 from iwg_operator.kube import GROUPS, PODS, SECRETS, ApiError
 
@@ -106,7 +107,9 @@ class Supervisor:
             log.info("%s/%s: %s", *state.key, message)
             if replacement.device_fault and replacement.failed_pod.node:
                 node = replacement.failed_pod.node
-                self.controller.avoided_nodes.setdefault(state.key, set()).add(node)
+                # In the status, not in memory: replacements made after an operator restart avoid it too.
+                avoided = avoid_after_fault(state.current_status.get("avoidedNodes"), node, now_rfc3339())
+                await self._write(state, {"avoidedNodes": avoided})
                 await self.controller.post_event(
                     state,
                     "Warning",
@@ -136,7 +139,13 @@ class Supervisor:
             now_rfc3339(),
         )
         counted = int((state.current_status or {}).get("restartCount") or 0)
-        fields = {"restartCount": prober.restart_count} if prober.restart_count != counted else {}
+        fields: dict[str, Any] = (
+            {"restartCount": prober.restart_count} if prober.restart_count != counted else {}
+        )
+        listed = state.current_status.get("avoidedNodes") or []
+        unexpired = current_avoided(listed, now_rfc3339())
+        if len(unexpired) != len(listed):
+            fields["avoidedNodes"] = unexpired  # expired entries leave the status
         await self._write(state, fields, budget, write_when_absent=False)
 
     # ------------------------------------------------------------------ autoscaling

@@ -166,3 +166,5 @@ def test_a_device_fault_moves_the_replacement_to_another_node_and_names_the_node
     )
     faults = events(core, workspace, name, "DeviceFault")
     assert faults and bad_node in faults[0].message, [e.message for e in faults]
+    # Kept in the status, so that an operator restart does not forget it (tests/iwg_operator/test_operator_restart.py).
+    assert [e["node"] for e in groups.get(name)["status"]["avoidedNodes"]] == [bad_node]

@@ -224,3 +224,40 @@ def test_operator_marks_what_admission_cannot_know_without_crashing_or_looping(
         what="condition cleared after the fix",
     )
     assert len(groups.live_pods("affinity-invalid")) == 1
+
+
+@pytest.fixture
+def short_scheduling_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator reports pods no scheduler picked up after 3 s instead of 60 s (set before it starts)."""
+    monkeypatch.setenv("IWG_SCHEDULING_TIMEOUT_S", "3")
+
+
+def test_pods_no_scheduler_picks_up_are_reported_and_never_called_placed(
+    short_scheduling_timeout: None, scheduler: Any, gpu_nodes: list[str], groups: Groups, operator: Any
+) -> None:
+    groups.create("ghost", replicas=2, worker={"gpus": 0}, scheduling={"schedulerName": "no-such-scheduler"})
+    groups.create("placed", replicas=1, worker={"gpus": 1})
+
+    bound = eventually(
+        lambda: (c := groups.condition("placed", "Unschedulable")) and c["reason"] == "Scheduled" and c,
+        timeout=60,
+        what="the default scheduler's pods bound",
+    )
+    assert bound["status"] == "False" and bound["message"] == "all pods bound to nodes"
+    assert all(pod.spec.node_name for pod in groups.live_pods("placed"))
+
+    ghost = eventually(
+        lambda: (c := groups.condition("ghost", "Unschedulable")) and c["status"] == "True" and c,
+        timeout=30,
+        what="pods no scheduler picked up reported",
+    )
+    assert ghost["reason"] == "NotScheduled", ghost
+    assert "spec.scheduling.schedulerName 'no-such-scheduler'" in ghost["message"], ghost
+    assert "2 pod(s)" in ghost["message"], ghost
+    assert not any(pod.spec.node_name for pod in groups.live_pods("ghost"))
+    status = groups.get("ghost")["status"]
+    assert status["phase"] == "Pending"
+    degraded = groups.condition("ghost", "Degraded")
+    assert degraded is not None and degraded["status"] == "True" and degraded["reason"] == "NotScheduled"
+    warnings = [e for e in groups.events("ghost") if e.reason == "Unschedulable"]
+    assert [e.message for e in warnings] == [ghost["message"]]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from iwg_operator.api.v1alpha1 import HealthSpec
 from iwg_operator.health.policy import (
+    MAX_AVOIDED_NODES,
     PodHealth,
     ProbeOutcome,
+    avoid_after_fault,
     avoid_nodes,
     backoff_delay,
+    current_avoided,
     judge_health_response,
     observe,
     pods_to_replace,
@@ -120,3 +125,18 @@ def test_replacements_avoid_faulty_nodes(existing: dict[str, object] | None) -> 
             "matchExpressions"
         ]
     assert avoid_nodes({"spec": {}}, set()) == {"spec": {}}
+
+
+def test_avoid_list_is_bounded_and_expires() -> None:
+    entries: list[dict[str, Any]] = []
+    for minute in range(20):
+        entries = avoid_after_fault(entries, f"n{minute}", f"2026-01-01T00:{minute:02d}:00Z")
+    assert len(entries) == MAX_AVOIDED_NODES
+    assert entries[0]["node"] == "n4" and entries[-1] == {"node": "n19", "since": "2026-01-01T00:19:00Z"}
+    again = avoid_after_fault(entries, "n4", "2026-01-01T00:30:00Z")
+    assert [e["node"] for e in again].count("n4") == 1 and again[-1]["node"] == "n4"
+    assert [e["node"] for e in current_avoided(entries, "2026-01-01T01:10:30Z")] == [
+        f"n{m}" for m in range(11, 20)
+    ]
+    assert current_avoided(entries, "2026-01-01T02:00:00Z") == []
+    assert current_avoided([{"node": "x", "since": "not a time"}, "junk"], "2026-01-01T00:00:00Z") == []  # type: ignore[list-item]

@@ -1,4 +1,5 @@
-"""Kill the operator (SIGKILL) in the middle of creating a 16-pod group, start it again: exactly 16 pods."""
+"""Kill the operator (SIGKILL) and start it again: in the middle of creating a 16-pod group it leaves exactly 16
+pods; what it learnt about faulty nodes (status.avoidedNodes) still keeps new pods off them."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from iwg_operator import labels
+from iwg_operator.api import v1alpha1 as api
 
 from tests.cluster.waiting import eventually
 from tests.iwg_operator.conftest import Groups
@@ -113,3 +116,46 @@ def test_killed_mid_create_then_restarted_leaves_exactly_one_pod_per_rank(
             partial_seen = at_kill
             break
     assert partial_seen is not None, "the operator was never caught in the middle of creating the group"
+
+
+def test_nodes_with_a_device_fault_stay_avoided_after_an_operator_restart(
+    operator_process: OperatorProcess, groups: Groups
+) -> None:
+    operator_process.start()
+    groups.create("avoid", replicas=1, worker={"gpus": 0})
+    eventually(lambda: (groups.get("avoid").get("status") or {}).get("replicas") == 1, what="the first pod")
+    first = groups.live_pods("avoid")[0]
+    # What the health prober writes after a device fault (tests/e2e/test_selfheal.py shows it does), and an
+    # entry from two hours ago that has expired.
+    now = datetime.now(UTC).replace(microsecond=0)
+    stamp = lambda t: t.isoformat().replace("+00:00", "Z")  # noqa: E731
+    avoided = [
+        {"node": "gpu-old", "since": stamp(now - timedelta(hours=2))},
+        {"node": "gpu-bad", "since": stamp(now)},
+    ]
+    groups.custom.patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, groups.namespace, api.PLURAL, "avoid", {"status": {"avoidedNodes": avoided}}
+    )
+    operator_process.kill()
+    operator_process.start()
+    groups.core.delete_namespaced_pod(first.metadata.name, groups.namespace, grace_period_seconds=0)
+
+    replacement = eventually(
+        lambda: next((p for p in groups.live_pods("avoid") if p.metadata.uid != first.metadata.uid), None),
+        timeout=60,
+        what="the replacement pod",
+    )
+    terms = replacement.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    excluded = [
+        value
+        for term in terms.node_selector_terms
+        for expression in term.match_expressions
+        if expression.key == "kubernetes.io/hostname" and expression.operator == "NotIn"
+        for value in expression.values
+    ]
+    assert excluded == ["gpu-bad"], operator_process.log.read_text()[-3000:]
+    eventually(
+        lambda: [e["node"] for e in groups.get("avoid")["status"]["avoidedNodes"]] == ["gpu-bad"],
+        timeout=30,
+        what="the expired entry pruned from the status",
+    )

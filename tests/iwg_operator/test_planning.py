@@ -120,3 +120,33 @@ def test_status_reports_unschedulable_with_the_scheduler_message() -> None:
     assert conditions["Unschedulable"]["status"] == "True"
     assert "Insufficient nvidia.com/gpu" in conditions["Unschedulable"]["message"]
     assert conditions["Degraded"]["reason"] == "Unschedulable"
+
+
+def test_status_calls_pods_placed_only_when_bound_and_reports_those_no_scheduler_picked_up() -> None:
+    desired = Desired(1, 2, REV, 1)
+    created = "2026-01-01T00:00:00Z"
+    pods = [pod(0, 0, ready=False, created=created), pod(0, 1, ready=False, created=created, node="n1")]
+    plan = plan_pods(desired, pods)
+
+    def unschedulable(now: str) -> dict[str, object]:
+        result = status.group_status("g", 1, desired, pods, plan, None, now, None, "gang", 60)
+        return {c["type"]: c for c in result["conditions"]}["Unschedulable"]
+
+    early = unschedulable("2026-01-01T00:00:30Z")
+    assert (early["status"], early["reason"]) == ("False", "Scheduling")
+    assert "1 pod(s) waiting" in str(early["message"])
+    assert status.scheduling_recheck(pods, "2026-01-01T00:00:30Z", 60) == 30
+    late = unschedulable("2026-01-01T00:01:00Z")
+    assert (late["status"], late["reason"]) == ("True", "NotScheduled")
+    assert "spec.scheduling.schedulerName 'gang'" in str(late["message"])
+    assert status.scheduling_recheck(pods, "2026-01-01T00:01:00Z", 60) is None
+    seen = [pod(0, 0, ready=False, created=created, seen_by_scheduler=True), pods[1]]
+    result = status.group_status("g", 1, desired, seen, plan, None, "2026-01-01T00:05:00Z", None, "gang", 60)
+    assert {c["type"]: c for c in result["conditions"]}["Unschedulable"]["reason"] == "Scheduling"
+    bound = [pod(0, 0, node="n1"), pod(0, 1, node="n2")]
+    result = status.group_status(
+        "g", 1, desired, bound, plan_pods(desired, bound), None, "t", None, "gang", 60
+    )
+    assert {c["type"]: c for c in result["conditions"]}["Unschedulable"][
+        "message"
+    ] == "all pods bound to nodes"

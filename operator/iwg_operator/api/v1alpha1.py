@@ -715,6 +715,15 @@ class ReplicaStatus(ApiModel):
     nodes: list[str] = Field(default_factory=list, description="Nodes the replica's pods are bound to.")
 
 
+class AvoidedNode(ApiModel):
+    """A node where a worker reported a device fault: the group's new pods stay off it for a while."""
+
+    node: str = Field(description="Node name (kubernetes.io/hostname).")
+    since: str = Field(
+        description="When the fault was seen (RFC 3339); the node is avoided for an hour after."
+    )
+
+
 class InferenceWorkerGroupStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -740,6 +749,13 @@ class InferenceWorkerGroupStatus(ApiModel):
     scale_count: int | None = Field(default=None, ge=0, description="Times the autoscaler changed replicas.")
     last_scale_time: str | None = Field(
         default=None, description="When the autoscaler last changed replicas."
+    )
+    avoided_nodes: list[AvoidedNode] = Field(
+        default_factory=list,
+        description=(
+            "Nodes where a worker reported a device fault in the last hour (at most 16, newest kept): new pods "
+            "get a required node anti-affinity to them, also after an operator restart."
+        ),
     )
 
 

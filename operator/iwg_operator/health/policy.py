@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from iwg_operator.api.v1alpha1 import HealthSpec
@@ -143,6 +144,37 @@ def restart_decision(
     if now < due:
         return BudgetDecision("wait", due - now, f"backoff {due - failed_since:.0f}s before replacing")
     return BudgetDecision("replace")
+
+
+# The device-fault avoid list (status.avoidedNodes): how long a node is avoided, and how many are kept.
+AVOID_SECONDS = 3600.0
+MAX_AVOIDED_NODES = 16
+
+
+def _still_avoided(entry: Mapping[str, Any], now: str) -> bool:
+    try:
+        since = datetime.fromisoformat(str(entry["since"]))
+    except (KeyError, ValueError):
+        return False
+    return (datetime.fromisoformat(now) - since).total_seconds() < AVOID_SECONDS
+
+
+def current_avoided(entries: Iterable[Mapping[str, Any]] | None, now: str) -> list[dict[str, Any]]:
+    """The avoid list without the entries that expired (or that are not entries at all)."""
+    return [
+        {"node": str(e["node"]), "since": str(e["since"])}
+        for e in entries or ()
+        if isinstance(e, Mapping) and e.get("node") and _still_avoided(e, now)
+    ]
+
+
+def avoid_after_fault(
+    entries: Iterable[Mapping[str, Any]] | None, node: str, now: str
+) -> list[dict[str, Any]]:
+    """The avoid list after a device fault on `node`: expired entries dropped, `node` (again) newest, at most
+    MAX_AVOIDED_NODES (the oldest go first)."""
+    kept = [e for e in current_avoided(entries, now) if e["node"] != node]
+    return [*kept, {"node": node, "since": now}][-MAX_AVOIDED_NODES:]
 
 
 def avoid_nodes(pod: dict[str, Any], nodes: Iterable[str]) -> dict[str, Any]:

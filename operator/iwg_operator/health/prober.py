@@ -2,7 +2,7 @@
 timeout), counts consecutive failures, and replaces the pod or its whole replica within the restart budget.
 
 It only deletes: the reconciler recreates what is missing, away from a node whose device failed
-(`Controller.avoided_nodes`). Every replacement is an Event and counts in status.restartCount; a spent
+(`status.avoidedNodes`, which the supervisor writes). Every replacement is an Event and counts in status.restartCount; a spent
 budget is the condition RestartBudgetExhausted.
 """
 
