@@ -81,6 +81,16 @@ def serve(args: argparse.Namespace) -> int:
     if not model_path.is_dir():
         print(f"iwg serve: spec.model.path: {model_path} is not a directory on this machine", file=sys.stderr)
         return 2
+    from iwg_worker.model_dir import missing_parts
+
+    missing = missing_parts(model_path, group.spec.model.task)
+    if missing:
+        print(
+            f"iwg serve: spec.model.path: {model_path} is not a model directory for task "
+            f"{group.spec.model.task!r}: {'; '.join(missing)}",
+            file=sys.stderr,
+        )
+        return 2
     replicas = group.spec.replicas if args.replicas is None else args.replicas
     if replicas < 1:
         print("iwg serve: needs at least one replica (spec.replicas or --replicas)", file=sys.stderr)
@@ -191,6 +201,7 @@ async def _serve_http(
     from iwg_worker.driver.executor_pool import ExecutorPool
     from iwg_worker.driver.server import run_driver
     from iwg_worker.driver.service import Driver, DriverConfig
+    from iwg_worker.model_dir import vocab_size
 
     batching = group.spec.driver.batching
     config = DriverConfig(
@@ -199,6 +210,7 @@ async def _serve_http(
         max_batch_size=batching.max_batch_size,
         max_wait_ms=float(batching.max_wait_ms),
         max_queue=batching.max_queue,
+        vocab_size=vocab_size(group.spec.model.resolved_path()),
     )
     driver = Driver(config, ExecutorPool(executor))
     port = group.spec.driver.port if args.port is None else args.port

@@ -75,6 +75,11 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol; the receiver drops it and keeps serving."""
 
 
+class EncodeError(TypeError):
+    """A value that cannot travel on the wire: a type msgpack does not carry, text that is not UTF-8
+    encodable (a lone surrogate), an integer outside [-2**63, 2**64). Raised before anything is sent."""
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     id: int
@@ -182,7 +187,9 @@ class _Encoder:
             return list(obj)
         if isinstance(obj, np.generic):
             return obj.item()
-        raise TypeError(
+        if isinstance(obj, int):  # msgpack hands over the integers it has no encoding for
+            raise EncodeError(f"the integer {obj} is outside the wire's range [-2**63, 2**64)")
+        raise EncodeError(
             f"cannot send a {type(obj).__qualname__} over the wire (msgpack types and tensors only)"
         )
 
@@ -221,8 +228,22 @@ class _Encoder:
 def encode(header: dict[str, Any]) -> list[Any]:
     """Header dict -> multipart frames: the msgpack header, then one raw buffer per tensor (no copies)."""
     encoder = _Encoder()
-    packed = msgpack.packb(header, default=encoder.default, use_bin_type=True, datetime=False)
+    try:
+        packed = msgpack.packb(header, default=encoder.default, use_bin_type=True, datetime=False)
+    except EncodeError:
+        raise
+    except (TypeError, UnicodeEncodeError, OverflowError) as exc:
+        raise EncodeError(str(exc)) from exc
     return [packed, *encoder.frames]
+
+
+def unencodable(value: Any) -> str | None:
+    """Why `value` cannot travel on the wire, or None when it can."""
+    try:
+        encode({"value": value})
+    except EncodeError as exc:
+        return str(exc)
+    return None
 
 
 def encode_call(

@@ -9,11 +9,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from iwg_worker.driver.openai_api import (
@@ -33,6 +36,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# The deepest request body is three levels ({"input": [[ids]]}); anything much deeper is refused before the
+# parser sees it, so no body can exhaust the parser's recursion.
+MAX_JSON_DEPTH = 32
+# A string literal, or an unterminated one running to the end: every match succeeds, so the scan is linear.
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
 
 class BatchParamsRequest(BaseModel):
@@ -44,6 +54,7 @@ class BatchParamsRequest(BaseModel):
 def build_app(
     driver: Driver, admin_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> web.Application:
+    _quiet_client_errors()
     app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
     app[DRIVER_KEY] = driver
     app[ADMIN_TOKEN_KEY] = admin_token or ""
@@ -97,23 +108,90 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _parse(request: web.Request, model: type[M]) -> M:
-    raw = await request.read()
+    raw = await request.read()  # at most client_max_size bytes: a larger body is a 413
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(
+            400,
+            f"The request body nests {depth} levels deep, above the limit of {MAX_JSON_DEPTH}.",
+            code="invalid_json",
+        )
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    _check_strings(body, "")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not count), without
+    parsing it, in time linear in its length: a bound that holds for malformed text too."""
+    opened = raw.count(b"[") + raw.count(b"{")
+    if opened <= MAX_JSON_DEPTH:
+        return opened  # cannot nest deeper than it has brackets
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    steps = np.frombuffer(brackets.translate(_BRACKET_STEPS), dtype=np.int8)
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """Every string of the body (keys too) must be UTF-8 encodable: JSON's \\u escapes can spell a lone
+    surrogate, which no tokenizer takes and the wire to the workers cannot carry."""
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            _check_text(key, where)
+            _check_strings(item, where)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_strings(item, f"{path}[{index}]")
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400,
+            f"'{path}' is not valid Unicode text: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) "
+            f"at position {exc.start}.",
+            param=path,
+            code="invalid_value",
+        ) from None
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+class _ClientErrorsAtInfo(logging.Filter):
+    """aiohttp logs a request it cannot parse (an over-long request line, a malformed header) at ERROR with
+    a traceback; that is the client's mistake, answered with a 400, so it is logged at INFO without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and record.levelno > logging.INFO:
+            record.msg = f"{record.msg}: %s"
+            record.args = (*(record.args if isinstance(record.args, tuple) else ()), exc)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_client_errors() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientErrorsAtInfo) for f in server_log.filters):
+        server_log.addFilter(_ClientErrorsAtInfo())
 
 
 async def _timed(

@@ -23,6 +23,8 @@ from iwg_worker.driver.pool import (
     BatchFailure,
     EmbedResult,
     GenerateResult,
+    InputRejected,
+    ItemOutcome,
     ItemResult,
     MembershipEvent,
     MembershipListener,
@@ -37,6 +39,7 @@ from iwg_worker.executor.base import (
     RPCTimeoutError,
 )
 from iwg_worker.executor.base import MembershipEvent as ExecutorEvent
+from iwg_worker.protocol import EncodeError, unencodable
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,28 @@ class ExecutorPool:
 
     # -- batches -----------------------------------------------------------------------------------------------
 
-    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemResult]:
+    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemOutcome]:
+        try:
+            return await self._execute(replica, batch, timeout)
+        except EncodeError as exc:
+            # One input that cannot travel must not fail the others: send the batch without it.
+            rejected = {i: why for i, x in enumerate(batch.inputs) if (why := unencodable(x)) is not None}
+            if not rejected:  # the batch's parameters themselves cannot travel
+                raise BatchFailure(f"the batch cannot be sent to the workers: {exc}") from exc
+            kept = [i for i in range(len(batch.inputs)) if i not in rejected]
+            results: list[ItemOutcome] = []
+            if kept:
+                sub = Batch(batch.task, tuple(batch.inputs[i] for i in kept), batch.params)
+                results = list(await self._execute(replica, sub, timeout))
+            outcomes = dict(zip(kept, results, strict=True))
+            return [
+                outcomes[i]
+                if i in outcomes
+                else InputRejected(f"it cannot be sent to the workers: {rejected[i]}")
+                for i in range(len(batch.inputs))
+            ]
+
+    async def _execute(self, replica: int, batch: Batch, timeout: float) -> list[ItemResult]:
         payload = _payload(batch)
         try:
             future = self.executor.collective_rpc_future(

@@ -62,12 +62,28 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
         raise ConfigError(f"environment variable {wiring.SERVED_NAME} (or {wiring.GROUP}) is required")
     max_batch_size = _int(env, wiring.MAX_BATCH_SIZE, 32, minimum=1)
     return DriverConfig(
+        vocab_size=_model_vocab_size(env.get(wiring.MODEL_PATH, "")),
         served_name=served_name,
         task=task,  # type: ignore[arg-type]  # checked above
         max_batch_size=max_batch_size,
         max_wait_ms=_float(env, wiring.MAX_WAIT_MS, 5.0),
         max_queue=_int(env, wiring.MAX_QUEUE, 1024, minimum=1),
     )
+
+
+def _model_vocab_size(path: str) -> int | None:
+    """The vocabulary size of the model the workers serve, when the driver's pod mounts it too (a volume or
+    a `pkg:` path); token ids at or above it are refused per request instead of failing a worker's batch."""
+    from iwg_operator.api.v1alpha1 import resolve_model_path
+
+    from iwg_worker.model_dir import vocab_size
+
+    if not path:
+        return None
+    try:
+        return vocab_size(resolve_model_path(path))
+    except ValueError:
+        return None
 
 
 def read_admin_token(path: str | None) -> str | None:

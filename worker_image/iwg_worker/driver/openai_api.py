@@ -16,30 +16,34 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-TokenIds = list[StrictInt]
+TokenIds = list[StrictInt]  # ranges are checked by the driver, which knows the model's vocabulary
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Names and tags are short; a longer one is a mistake (and would be echoed back in errors).
+ShortStr = Annotated[StrictStr, Field(max_length=256)]
 
 
 class EmbeddingRequest(_Request):
-    model: StrictStr
+    model: ShortStr
     input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
-    user: StrictStr | None = None
+    dimensions: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+    user: ShortStr | None = None
 
 
 class CompletionRequest(_Request):
-    model: StrictStr
+    model: ShortStr
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: Literal[False] = False
     echo: Literal[False] = False
     logprobs: None = None
-    user: StrictStr | None = None
+    user: ShortStr | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -145,7 +149,11 @@ def _location(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part in {"str", "int", "float", "bool", "none"} or part.startswith("function-"):
+        elif (
+            "[" in part
+            or part in {"str", "int", "float", "bool", "none"}
+            or part.startswith(("function-", "constrained-"))
+        ):
             continue
         else:
             out += f".{part}" if out else part
@@ -157,12 +165,17 @@ def validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     param = _location(tuple(first["loc"]))
+    same_field = len({_location(tuple(e["loc"])) for e in errors}) == 1 and len(errors) > 1
+    # A union whose branches all failed: a branch of the right type that broke a limit says the most.
+    constraint = next((e for e in errors if not e["type"].endswith("_type")), None) if same_field else None
     if first["type"] == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
     elif first["type"] == "missing":
         message = f"Missing required parameter: '{param}'."
-    elif len({_location(tuple(e["loc"])) for e in errors}) == 1 and len(errors) > 1:
-        # A union (e.g. `input`) failed in every branch: the per-branch messages confuse more than help.
+    elif constraint is not None:
+        message = f"Invalid value for '{param}': {constraint['msg']}."
+    elif same_field:
+        # A union (e.g. `input`) failed in every branch on type: the per-branch messages confuse more.
         message = f"Invalid type for '{param}': got {_describe(first.get('input'))}."
     else:
         message = f"Invalid value for '{param}': {first['msg']}."

@@ -58,6 +58,14 @@ class GenerateResult:
 ItemResult = EmbedResult | GenerateResult
 
 
+class InputRejected(Exception):
+    """One input of a batch could not be sent (e.g. it cannot be encoded on the wire); the batch's other
+    inputs ran without it. Only the request holding this input fails, with a 400."""
+
+
+ItemOutcome = ItemResult | InputRejected
+
+
 class ReplicaFailure(Exception):
     """The replica died, left or did not answer in time: the batch may be retried on another replica."""
 
@@ -87,8 +95,9 @@ class ReplicaPool(Protocol):
         """Call `listener` (on the event loop's thread) whenever a replica changes state."""
         ...
 
-    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemResult]:
-        """Run `batch` on `replica`; one result per input, in order.
+    async def execute(self, replica: int, batch: Batch, timeout: float) -> Sequence[ItemOutcome]:
+        """Run `batch` on `replica`; one outcome per input, in order: its result, or `InputRejected` for an
+        input that could not be sent (the others still run).
 
         Raises ReplicaFailure when the replica dies or `timeout` passes, BatchFailure when it reports an error.
         """

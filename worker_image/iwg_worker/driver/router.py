@@ -17,7 +17,8 @@ from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.pool import (
     Batch,
     BatchFailure,
-    ItemResult,
+    InputRejected,
+    ItemOutcome,
     MembershipEvent,
     ReplicaFailure,
     ReplicaPool,
@@ -170,7 +171,11 @@ class Router:
                 )
                 return
             for item, result in zip(items, results, strict=True):
-                if not item.future.done():
+                if item.future.done():
+                    continue
+                if isinstance(result, InputRejected):
+                    item.future.set_exception(result)
+                else:
                     item.future.set_result(result)
             return
         if last_error is None:
@@ -185,7 +190,7 @@ class Router:
             lambda: any(r not in exclude for r in self.serving()), self.no_replica_grace_s
         )
 
-    async def _execute(self, replica: int, batch: Batch) -> list[ItemResult]:
+    async def _execute(self, replica: int, batch: Batch) -> list[ItemOutcome]:
         self._inflight[replica] = self._inflight.get(replica, 0) + 1
         self._publish(replica)
         self._metrics.batch_size.observe(len(batch.inputs))

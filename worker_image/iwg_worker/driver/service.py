@@ -39,6 +39,7 @@ from iwg_worker.driver.pool import (
     EmbedResult,
     GenerateParams,
     GenerateResult,
+    InputRejected,
     ItemResult,
     ReplicaFailure,
     ReplicaPool,
@@ -49,6 +50,7 @@ from iwg_worker.driver.router import NoReplica, Router
 log = logging.getLogger(__name__)
 
 ADJUST_BATCH_PARAMS = "adjust_batch_params"
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 at most, whatever the model
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class DriverConfig:
     no_replica_grace_s: float = 5.0
     max_inflight_per_replica: int = 2
     accepts_token_ids: bool = False
+    vocab_size: int | None = None  # token ids must be below it (below 2**31 when the model's is unknown)
 
 
 class Driver:
@@ -143,7 +146,8 @@ class Driver:
             and req.dimensions != self._embedding_dim
         ):
             raise self._dimensions_error(req.dimensions, self._embedding_dim)
-        results = await self._run(inputs, BatchKey("embed"))
+        names = ["input"] if isinstance(req.input, str) else None
+        results = await self._run(inputs, BatchKey("embed"), names)
         data: list[EmbeddingData] = []
         tokens = 0
         for index, result in enumerate(results):
@@ -200,7 +204,11 @@ class Driver:
             id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=usage
         )
 
-    async def _run(self, inputs: Sequence[str | tuple[int, ...]], key: BatchKey) -> list[ItemResult]:
+    async def _run(
+        self, inputs: Sequence[str | tuple[int, ...]], key: BatchKey, names: Sequence[str] | None = None
+    ) -> list[ItemResult]:
+        """Run every input of one request; `names` are the inputs' fields for errors (default `input[i]`
+        for embeddings, `prompt[i]` for completions)."""
         if not self.router.serving():
             self.metrics.rejected.labels(reason="no_replica").inc()
             raise ApiError(
@@ -223,12 +231,13 @@ class Driver:
                 headers={"Retry-After": str(retry_after)},
             ) from None
         self.metrics.inflight_requests.inc()
+        field = "input" if key.task == "embed" else "prompt"
         try:
-            return await self._gather(items)
+            return await self._gather(items, names or [f"{field}[{i}]" for i in range(len(items))])
         finally:
             self.metrics.inflight_requests.dec()
 
-    async def _gather(self, items: list[QueuedItem]) -> list[ItemResult]:
+    async def _gather(self, items: list[QueuedItem], names: Sequence[str]) -> list[ItemResult]:
         futures = [item.future for item in items]
         _, pending = await asyncio.wait(futures, timeout=self.config.request_timeout_s)
         try:
@@ -239,6 +248,11 @@ class Driver:
                     type="timeout",
                     code="timeout",
                 )
+            for name, future in zip(names, futures, strict=True):
+                if isinstance(future.exception(), InputRejected):
+                    raise ApiError(
+                        400, f"'{name}' was refused: {future.exception()}.", param=name, code="invalid_value"
+                    )
             return [f.result() for f in futures]
         except NoReplica as exc:
             raise ApiError(
@@ -351,6 +365,14 @@ class Driver:
             )
         if any(t < 0 for t in ids):
             raise ApiError(400, f"'{param}' holds a negative token id.", param=param, code="invalid_value")
+        vocab = self.config.vocab_size or MAX_TOKEN_ID + 1
+        if any(t >= vocab for t in ids):
+            raise ApiError(
+                400,
+                f"'{param}' holds token id {max(ids)}, outside this model's vocabulary of {vocab} ids.",
+                param=param,
+                code="invalid_value",
+            )
         return tuple(ids)
 
     def _check_count(self, inputs: Sequence[object], param: str) -> None:
