@@ -71,3 +71,13 @@ def test_cluster_executor_refuses_tcp_without_keys_and_non_tcp_endpoints() -> No
     assert bind_address("tcp://minilm-driver.ml.svc:5555", "10.0.0.7") == "tcp://10.0.0.7:5555"
     with pytest.raises(ValueError, match="world_size"):
         WorkerConfig(world_size=0)
+
+
+def test_the_vocabulary_size_comes_from_the_model_config(minilm_path: str, tmp_path: Path) -> None:
+    from iwg_worker.model_dir import vocab_size
+
+    assert vocab_size(Path(minilm_path)) == 30522  # bert-base-uncased's WordPiece vocabulary
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 50}}')
+    assert vocab_size(tmp_path) == 50
+    (tmp_path / "config.json").write_text("[1]")
+    assert vocab_size(tmp_path) is None

@@ -311,3 +311,29 @@ async def test_embeddings_on_a_generate_group_is_a_400() -> None:
     async with serve(FakePool(), task="generate") as (client, _driver):
         status, body, _ = await embed(client, "x")
     assert status == 400 and "/v1/completions" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "prompt", "param", "words"),
+    [
+        (97, [5, 97], "prompt", ["97", "vocabulary of 97"]),
+        (97, [[1, 2], [3, 400]], "prompt[1]", ["400", "vocabulary of 97"]),
+        (None, [2**31], "prompt", [str(2**31)]),
+        (None, [2**70], "prompt", [str(2**70)]),
+    ],
+    ids=["at the vocabulary size", "second prompt", "above int32, vocabulary unknown", "beyond int64"],
+)
+async def test_token_ids_outside_the_vocabulary_are_a_400_and_never_reach_a_replica(
+    vocab_size: int | None, prompt: Any, param: str, words: list[str]
+) -> None:
+    pool = FakePool(replicas=1)
+    async with serve(pool, task="generate", vocab_size=vocab_size) as (client, _driver):
+        resp = await client.post("/v1/completions", json={"model": "minilm", "prompt": prompt})
+        body = await resp.json()
+        ok = await client.post("/v1/completions", json={"model": "minilm", "prompt": [5, 96]})
+    assert resp.status == 400, body
+    assert body["error"]["param"] == param, body
+    for word in words:
+        assert word in body["error"]["message"], body
+    assert ok.status == 200
+    assert [b.inputs for b in pool.replicas[0].batches] == [((5, 96),)]
