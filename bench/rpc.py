@@ -39,6 +39,11 @@ SIZES = {"64 B": 64, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 ITERATIONS = {"64 B": 400, "1 MiB": 60, "16 MiB": 12}
 ROUNDS = 4
 REPLICAS = 4  # groups of 4 one-rank replicas: replica=0 is "1 worker", replica=None is "4 workers"
+# `echo` is a test helper, not a production method: workers get it from the tests' extension class, which
+# the spawned workers (and Ray's actors) import from this checkout.
+ECHO_EXTENSION = "tests.iwg_worker.extensions.ProbeExtension"
+_ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 # -- raw pyzmq baseline -------------------------------------------------------------------------------------
@@ -244,6 +249,7 @@ def _cluster_group(
             curve_dir=curve_dir,
             insecure_tcp=keys is None,
             heartbeat_interval_s=heartbeat,
+            worker_extension_cls=ECHO_EXTENSION,
         )
         procs.append(launch_worker(env, root / f"worker-{replica}.log"))
     return executor, procs
@@ -270,7 +276,11 @@ def _ray_group() -> tuple[Executor, Callable[[], None]] | None:
             if attempt == 2:
                 print(f"Ray did not start twice ({exc}): no Ray row", flush=True)
                 return None
-    executor = RayExecutor(WorkerConfig(task="none", device="cpu", group="bench"), replicas=REPLICAS)
+    executor = RayExecutor(
+        WorkerConfig(task="none", device="cpu", group="bench"),
+        replicas=REPLICAS,
+        worker_extension_cls=ECHO_EXTENSION,
+    )
 
     def stop() -> None:
         executor.shutdown()
@@ -294,7 +304,9 @@ def main() -> None:
         clusters["tcp + CURVE"] = _cluster_group(root / "curve", keys, 2.0)
         clusters["tcp, no CURVE"] = _cluster_group(root / "plain", None, 2.0)
         multiproc = MultiprocExecutor(
-            WorkerConfig(task="none", device="cpu", group="bench"), replicas=REPLICAS
+            WorkerConfig(task="none", device="cpu", group="bench"),
+            replicas=REPLICAS,
+            worker_extension_cls=ECHO_EXTENSION,
         )
         for executor, _ in clusters.values():
             executor.wait_until_serving(timeout=600)
@@ -305,7 +317,9 @@ def main() -> None:
             f"started in {time.monotonic() - started:.0f} s; measuring (medians of alternating rounds)",
             flush=True,
         )
-        uniproc = UniProcExecutor(WorkerConfig(task="none", device="cpu"))
+        uniproc = UniProcExecutor(
+            WorkerConfig(task="none", device="cpu"), worker_extension_cls=ECHO_EXTENSION
+        )
         rows += measure_executor("UniProc", "in-process (raw: ipc)", uniproc, raws["ipc"], (1,))
         rows += measure_executor("Multiproc", "ipc", multiproc, raws["ipc"], (1, 4))
         for transport, (executor, _) in clusters.items():

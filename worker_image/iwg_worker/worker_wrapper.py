@@ -13,7 +13,6 @@ import importlib
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,44 +98,11 @@ class CallTimings:
             }
 
 
-class FeatureCache:
-    """Receiver cache of multimodal features by request id (bounded, least recently stored evicted)."""
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Any] = OrderedDict()
-
-    def put(self, request_id: str, features: Any) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        self._items[request_id] = features
-        self._items.move_to_end(request_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, request_id: str) -> Any:
-        return self._items.get(request_id)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def inject(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Add ``mm_features`` {request_id: features} for the batch's ``request_ids`` found in the cache."""
-        request_ids = batch.get("request_ids")
-        if not request_ids or not self._items:
-            return batch
-        found = {rid: self._items[rid] for rid in request_ids if rid in self._items}
-        if not found:
-            return batch
-        return {**batch, "mm_features": found}
-
-
 class WorkerWrapperBase:
     def __init__(self, rpc_rank: int = 0) -> None:
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
         self.timings = CallTimings()
-        self.mm_receiver_cache = FeatureCache()
         self._cached_names: list[str] = []
         self._resolved: dict[str, Callable[..., Any]] = {}
 
@@ -204,10 +170,7 @@ class WorkerWrapperBase:
         return value
 
     def execute_model(self, batch: dict[str, Any]) -> dict[str, Any]:
-        worker = self.require_worker()
-        if isinstance(batch, dict):
-            batch = self.mm_receiver_cache.inject(batch)
-        return worker.execute_model(batch)
+        return self.require_worker().execute_model(batch)
 
     # -- dispatch by name ------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from iwg_worker.driver.pool import (
@@ -37,7 +36,6 @@ class FakePool:
     def __init__(self, replicas: int = 2, delay_s: float = 0.01) -> None:
         self.replicas = {r: FakeReplica(delay_s=delay_s) for r in range(replicas)}
         self.listeners: list[MembershipListener] = []
-        self.rpc_calls: list[tuple[str, dict[str, Any]]] = []
 
     def states(self) -> dict[int, ReplicaState]:
         return {r: rep.state for r, rep in self.replicas.items()}
@@ -78,12 +76,6 @@ class FakePool:
                 for x, t in zip(batch.inputs, texts, strict=True)
             ]
         return [EmbedResult(np.array([len(str(x)), replica], dtype=np.float32), 1) for x in batch.inputs]
-
-    async def collective_rpc(
-        self, method: str, kwargs: dict[str, Any], timeout: float
-    ) -> dict[int, list[Any] | str]:
-        self.rpc_calls.append((method, kwargs))
-        return {r: [None] for r, rep in self.replicas.items() if rep.state is ReplicaState.SERVING}
 
     async def close(self) -> None:
         pass

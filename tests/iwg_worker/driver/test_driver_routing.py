@@ -205,7 +205,7 @@ async def test_drain_stops_new_batches_and_waits_for_inflight() -> None:
         assert driver.router.serving() == [0, 1]
 
 
-async def test_adjust_batch_params_applies_locally_and_fans_out() -> None:
+async def test_adjust_batch_params_applies_to_the_drivers_batcher() -> None:
     pool = FakePool(replicas=2, delay_s=0.05)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     async with serve(pool, max_batch_size=8, max_wait_ms=50) as (client, driver):
@@ -214,8 +214,7 @@ async def test_adjust_batch_params_applies_locally_and_fans_out() -> None:
         )
         body = await resp.json()
         assert resp.status == 200, body
-        assert body["max_batch_size"] == 2 and set(body["replicas"]) == {"0", "1"}
-        assert pool.rpc_calls == [("adjust_batch_params", {"max_batch_size": 2, "max_wait_ms": 5.0})]
+        assert body == {"max_batch_size": 2, "max_wait_ms": 5.0}
         assert metric(driver, "iwg_max_batch_size") == 2
         await asyncio.gather(*(embed(client, f"t{i}") for i in range(9)))
     sizes = [len(b.inputs) for rep in pool.replicas.values() for b in rep.batches]

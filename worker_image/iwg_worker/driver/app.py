@@ -301,7 +301,7 @@ async def _admin_replicas(request: web.Request) -> web.Response:
 async def _admin_batch_params(request: web.Request) -> web.Response:
     driver = _authorize(request)
     body = await _parse(request, BatchParamsRequest)
-    result = await driver.adjust_batch_params(body.max_batch_size, body.max_wait_ms)
+    result = driver.adjust_batch_params(body.max_batch_size, body.max_wait_ms)
     return _json(result)
 
 

@@ -131,24 +131,6 @@ class ExecutorPool:
         except (KeyError, TypeError, ValueError) as exc:
             raise BatchFailure(f"replica {replica} sent a reply of an unexpected shape: {exc}") from exc
 
-    async def collective_rpc(
-        self, method: str, kwargs: dict[str, Any], timeout: float
-    ) -> dict[int, list[Any] | str]:
-        replicas = sorted(self.executor.serving_replicas())
-        futures = [
-            asyncio.wrap_future(
-                self.executor.collective_rpc_future(method, kwargs=kwargs, timeout=timeout, replica=r)
-            )
-            for r in replicas
-        ]
-        replies = await asyncio.gather(*futures, return_exceptions=True)
-        out: dict[int, list[Any] | str] = {}
-        for replica, reply in zip(replicas, replies, strict=True):
-            out[replica] = (
-                f"{type(reply).__name__}: {reply}" if isinstance(reply, BaseException) else list(reply)
-            )
-        return out
-
     async def close(self) -> None:
         self._unsubscribe()
         await asyncio.to_thread(self.executor.shutdown)

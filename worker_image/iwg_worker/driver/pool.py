@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -101,12 +101,6 @@ class ReplicaPool(Protocol):
 
         Raises ReplicaFailure when the replica dies or `timeout` passes, BatchFailure when it reports an error.
         """
-        ...
-
-    async def collective_rpc(
-        self, method: str, kwargs: dict[str, Any], timeout: float
-    ) -> dict[int, list[Any] | str]:
-        """Call `method` on every rank of every serving replica: replica -> per-rank replies, or an error."""
         ...
 
     async def close(self) -> None: ...

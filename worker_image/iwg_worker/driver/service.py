@@ -49,7 +49,6 @@ from iwg_worker.driver.router import NoReplica, Router
 
 log = logging.getLogger(__name__)
 
-ADJUST_BATCH_PARAMS = "adjust_batch_params"
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 at most, whatever the model
 
 
@@ -409,19 +408,12 @@ class Driver:
 
     # -- admin -------------------------------------------------------------------------------------------------
 
-    async def adjust_batch_params(
-        self, max_batch_size: int | None, max_wait_ms: float | None, timeout: float = 10.0
-    ) -> dict[str, Any]:
+    def adjust_batch_params(self, max_batch_size: int | None, max_wait_ms: float | None) -> dict[str, Any]:
+        """Set the batcher's limits (either or both); batching happens here, so nothing is sent to workers."""
         current = self.batcher.params
         params = BatchParams(
             max_batch_size if max_batch_size is not None else current.max_batch_size,
             max_wait_ms / 1000.0 if max_wait_ms is not None else current.max_wait_s,
         )
         self.batcher.set_params(params)
-        kwargs = {"max_batch_size": params.max_batch_size, "max_wait_ms": params.max_wait_s * 1000.0}
-        replies = await self.pool.collective_rpc(ADJUST_BATCH_PARAMS, kwargs, timeout)
-        return {
-            "max_batch_size": params.max_batch_size,
-            "max_wait_ms": params.max_wait_s * 1000.0,
-            "replicas": {str(r): reply for r, reply in sorted(replies.items())},
-        }
+        return {"max_batch_size": params.max_batch_size, "max_wait_ms": params.max_wait_s * 1000.0}
