@@ -1,4 +1,4 @@
-"""Where the control-plane binaries are: the versioned cache that tests/cluster/build.sh fills."""
+"""Where the built binaries (control plane, helm, kube-score) are: the cache tests/cluster/build.sh fills."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build.sh"
-BUILT = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm", "kwok")
+BUILT = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm", "kwok", "kube-score")
 
 
 class BinaryMissingError(RuntimeError):
