@@ -415,13 +415,17 @@ class Controller:
                 raise result
 
     async def _ensure_network_policy(self, group: builders.Group, fresh: bool) -> None:
-        manifest = builders.network_policy(group, self.settings)
-        try:
-            await self._ensure_child(group, NETWORK_POLICIES, manifest, fresh)
-        except ApiError as error:
-            if error.refusal:
-                raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
-            raise
+        """The workers' and the driver's NetworkPolicies, ahead of the pods they fence."""
+        for manifest in (
+            builders.network_policy(group, self.settings),
+            builders.driver_network_policy(group, self.settings),
+        ):
+            try:
+                await self._ensure_child(group, NETWORK_POLICIES, manifest, fresh)
+            except ApiError as error:
+                if error.refusal:
+                    raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
+                raise
 
     async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)

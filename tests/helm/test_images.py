@@ -128,6 +128,38 @@ def test_every_command_the_operators_pods_run_is_a_console_script_of_the_image()
         assert command[0] in CONSOLE_SCRIPTS, command
 
 
+def _image_user(dockerfile: Path) -> tuple[int, int]:
+    """(uid, gid) of the image's final USER instruction, given as numbers."""
+    users = [rest for keyword, rest in _final_stage(dockerfile) if keyword == "USER"]
+    uid, _, gid = users[-1].partition(":")
+    return int(uid), int(gid or uid)
+
+
+def _ids(security: dict[str, Any]) -> tuple[int, int]:
+    return security["runAsUser"], security["runAsGroup"]
+
+
+def test_the_operators_pods_run_as_the_worker_images_user() -> None:
+    uid, gid = _image_user(DOCKERFILES[1])
+    assert (uid, gid) == (65532, 65532)
+    group = _example_group()
+    pods = [
+        builders.worker_pod(group, 0, 0, builders.BuildSettings())["spec"],
+        builders.driver_deployment(group)["spec"]["template"]["spec"],
+    ]
+    for pod in pods:
+        assert _ids(pod["securityContext"]) == (uid, gid) and pod["securityContext"]["fsGroup"] == gid
+        for container in pod["containers"]:
+            assert _ids(container["securityContext"]) == (uid, gid)
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS, ids=str)
+def test_the_chart_runs_the_operator_as_the_operator_images_user(value_set: str | None) -> None:
+    uid, gid = _image_user(DOCKERFILES[0])
+    pod = chart.one(chart.render(value_set), "Deployment")["spec"]["template"]["spec"]
+    assert _ids(pod["securityContext"]) == (uid, gid) and pod["securityContext"]["fsGroup"] == gid
+
+
 @pytest.mark.parametrize("script", sorted(CONSOLE_SCRIPTS))
 def test_every_console_script_resolves_to_a_callable(script: str) -> None:
     module_name, _, attribute = CONSOLE_SCRIPTS[script].partition(":")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from iwg_operator.api.v1alpha1 import (
     InferenceWorkerGroupSpec,
     ManifestError,
@@ -33,6 +34,15 @@ def test_example_loads_and_names_an_existing_model_directory() -> None:
     model_dir = group.spec.model.resolved_path()
     assert (model_dir / "config.json").is_file()
     assert (model_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_give_the_driver_cpu_and_memory(example: Path) -> None:
+    """The examples show the driver's resources (defaults exist too: never BestEffort)."""
+    driver = yaml.safe_load(example.read_text())["spec"]["driver"]
+    assert {"cpu", "memory"} <= set(driver), driver
+    group = load_manifest(example)
+    assert (group.spec.driver.cpu, group.spec.driver.memory) == (str(driver["cpu"]), str(driver["memory"]))
 
 
 def test_defaults_fill_every_section() -> None:

@@ -63,7 +63,12 @@ def test_gpu_resources_tolerations_and_product() -> None:
         SETTINGS,
     )
     resources = pod["spec"]["containers"][0]["resources"]
-    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"}
+    assert resources["limits"] == {
+        "cpu": "4",
+        "memory": "16Gi",
+        "ephemeral-storage": "1Gi",
+        "nvidia.com/gpu": "2",
+    }
     assert resources["requests"] == resources["limits"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"][
         "tolerations"
@@ -164,6 +169,85 @@ def test_network_policy_admits_group_and_operator_only() -> None:
     operator = next(p for p in peers if "namespaceSelector" in p)
     assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "iwg-system"}
     assert all("ipBlock" not in p for p in peers)
+
+
+def _rules_by_port(policy: dict[str, Any]) -> dict[int, list[dict[str, Any]] | None]:
+    """Sources admitted per port: None for any source."""
+    result: dict[int, list[dict[str, Any]] | None] = {}
+    for rule in policy["ingress"]:
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            if "from" not in rule or result.get(port["port"], []) is None:
+                result[port["port"]] = None
+            else:
+                result.setdefault(port["port"], []).extend(rule["from"])  # type: ignore[union-attr]
+    return result
+
+
+def test_driver_network_policy_admits_http_from_anywhere_and_zmq_from_the_groups_workers() -> None:
+    manifest = builders.driver_network_policy(group(driver={"port": 9000}), SETTINGS)
+    assert manifest["metadata"]["name"] == "g-driver"
+    policy = manifest["spec"]
+    assert policy["podSelector"]["matchLabels"] == labels.driver_selector("g")
+    assert policy["policyTypes"] == ["Ingress"]
+    workers = [{"podSelector": {"matchLabels": labels.worker_selector("g")}}]
+    assert _rules_by_port(policy) == {
+        9000: None,
+        wiring.DEFAULT_RPC_PORT: workers,
+        wiring.DEFAULT_RESPONSE_PORT: workers,
+    }
+
+
+def test_driver_network_policy_http_from_admits_those_peers_and_the_operator_only() -> None:
+    clients = {"namespaceSelector": {"matchLabels": {"team": "web"}}}
+    office = {"ipBlock": {"cidr": "10.1.0.0/16", "except": ["10.1.2.0/24"]}}
+    g = group(driver={"networkPolicy": {"httpFrom": [clients, office]}})
+    by_port = _rules_by_port(builders.driver_network_policy(g, SETTINGS)["spec"])
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "iwg-system"}},
+        "podSelector": {"matchLabels": labels.OPERATOR_POD_LABELS},
+    }
+    assert by_port[8000] == [clients, office, operator]
+    assert set(by_port) == {8000, wiring.DEFAULT_RPC_PORT, wiring.DEFAULT_RESPONSE_PORT}
+
+
+def test_driver_has_cpu_and_memory_requests_and_limits_by_default() -> None:
+    container = builders.driver_deployment(group())["spec"]["template"]["spec"]["containers"][0]
+    resources = container["resources"]
+    assert resources["requests"] == resources["limits"]
+    assert resources["limits"] == {
+        "cpu": api.DEFAULT_DRIVER_CPU,
+        "memory": api.DEFAULT_DRIVER_MEMORY,
+        "ephemeral-storage": api.DEFAULT_DRIVER_TMP_SIZE,
+    }
+    assert (api.DEFAULT_DRIVER_CPU, api.DEFAULT_DRIVER_MEMORY) == ("1", "1Gi")
+    given = builders.driver_deployment(group(driver={"cpu": "250m", "memory": "512Mi"}))
+    limits = given["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["cpu"], limits["memory"]) == ("250m", "512Mi")
+
+
+def _tmp(pod_spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The /tmp volume and the container's resources."""
+    container = pod_spec["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+    volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+    return volume, container["resources"]
+
+
+def test_tmp_of_workers_and_driver_is_bounded_and_configurable() -> None:
+    defaults = group()
+    sized = group(worker={"tmpSize": "3Gi"}, driver={"tmpSize": "100Mi"})
+    for g, worker_size, driver_size in ((defaults, "1Gi", "256Mi"), (sized, "3Gi", "100Mi")):
+        pods = [
+            (builders.worker_pod(g, 0, 0, SETTINGS)["spec"], worker_size),
+            (builders.driver_deployment(g)["spec"]["template"]["spec"], driver_size),
+        ]
+        for pod_spec, size in pods:
+            volume, resources = _tmp(pod_spec)
+            assert volume["emptyDir"] == {"sizeLimit": size}
+            assert resources["requests"]["ephemeral-storage"] == size
+            assert resources["limits"]["ephemeral-storage"] == size
+    assert builders.revision(sized, SETTINGS) != builders.revision(defaults, SETTINGS)
 
 
 def test_pdb_and_config_map() -> None:

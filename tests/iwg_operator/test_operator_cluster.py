@@ -84,6 +84,9 @@ def test_group_becomes_colocated_gpu_pods_with_wiring_and_is_garbage_collected(
         "networkpolicy/tp-workers": lambda: client.NetworkingV1Api(k8s).read_namespaced_network_policy(
             "tp-workers", ns
         ),
+        "networkpolicy/tp-driver": lambda: client.NetworkingV1Api(k8s).read_namespaced_network_policy(
+            "tp-driver", ns
+        ),
         "pdb/tp-workers": lambda: client.PolicyV1Api(k8s).read_namespaced_pod_disruption_budget(
             "tp-workers", ns
         ),

@@ -47,6 +47,15 @@ DEFAULT_WORKER_IMAGE = "ghcr.io/iwg-dev/iwg-worker:0.1.0"
 MAX_GROUP_NAME_LENGTH = 40
 MAX_REPLICAS = 1000
 MAX_WORLD_SIZE = 64
+# The driver is one asyncio process (HTTP, batching, ZMQ): a core and 1Gi hold a full queue of requests.
+DEFAULT_DRIVER_CPU = "1"
+DEFAULT_DRIVER_MEMORY = "1Gi"
+DEFAULT_WORKER_TMP_SIZE = "1Gi"
+DEFAULT_DRIVER_TMP_SIZE = "256Mi"
+TMP_SIZE_DESCRIPTION = (
+    "Size of /tmp (an emptyDir; the root filesystem is read-only) and the pod's ephemeral-storage request "
+    "and limit, which the container's logs count toward too."
+)
 # A model path may name a directory shipped inside an installed Python package: `pkg:<module>/<subdir>`.
 PACKAGE_PATH_PREFIX = "pkg:"
 
@@ -362,6 +371,7 @@ class WorkerSpec(ApiModel):
         description="Qualified name of a mixin class applied to the worker class.",
     )
     shm_size: Quantity = Field(default="1Gi", description="Size of /dev/shm (a memory-backed emptyDir).")
+    tmp_size: Quantity = Field(default=DEFAULT_WORKER_TMP_SIZE, description=TMP_SIZE_DESCRIPTION)
     device: Literal["auto", "cuda", "cpu"] = Field(
         default="auto", description="Device the worker runs on; `auto` picks cuda when a GPU is visible."
     )
@@ -412,6 +422,77 @@ class BatchingSpec(ApiModel):
     )
 
 
+class LabelSelectorRequirement(ApiModel):
+    """One expression of a label selector (as in meta/v1)."""
+
+    key: str = Field(min_length=1, max_length=316, description="Label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="How values are matched.")
+    values: list[str] = Field(
+        default_factory=list, max_length=64, description="Values for In and NotIn; empty otherwise."
+    )
+
+
+class LabelSelector(ApiModel):
+    """A label selector (as in meta/v1); an empty selector selects everything."""
+
+    match_labels: dict[str, str] | None = Field(
+        default=None, max_length=32, description="Labels that must all be present."
+    )
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, max_length=32, description="Expressions that must all hold."
+    )
+
+
+class IPBlock(ApiModel):
+    """A CIDR with optional exceptions (as in networking/v1)."""
+
+    cidr: str = Field(min_length=1, max_length=64, description="Allowed CIDR, e.g. 10.0.0.0/8.")
+    except_: list[str] | None = Field(
+        default=None,
+        alias="except",
+        max_length=32,
+        description="CIDRs inside cidr that are not allowed.",
+    )
+
+
+class NetworkPolicyPeer(ApiModel):
+    """A source of traffic (as in networking/v1): pods, namespaces, or addresses."""
+
+    pod_selector: LabelSelector | None = Field(default=None, description="Pods, in the namespaces selected.")
+    namespace_selector: LabelSelector | None = Field(
+        default=None, description="Namespaces; the group's own when unset."
+    )
+    ip_block: IPBlock | None = Field(default=None, description="Addresses; excludes the two selectors.")
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="has(self.podSelector) || has(self.namespaceSelector) || has(self.ipBlock)",
+            message="spec.driver.networkPolicy.httpFrom[] needs podSelector, namespaceSelector or ipBlock",
+            check=lambda p: (
+                p.pod_selector is not None or p.namespace_selector is not None or p.ip_block is not None
+            ),
+        ),
+        CrossFieldRule(
+            cel="!has(self.ipBlock) || (!has(self.podSelector) && !has(self.namespaceSelector))",
+            message="spec.driver.networkPolicy.httpFrom[].ipBlock excludes podSelector and namespaceSelector",
+            check=lambda p: p.ip_block is None or (p.pod_selector is None and p.namespace_selector is None),
+            field_path=".ipBlock",
+        ),
+    )
+
+
+class DriverNetworkPolicySpec(ApiModel):
+    """The driver's NetworkPolicy."""
+
+    http_from: list[NetworkPolicyPeer] = Field(
+        default_factory=list,
+        max_length=32,
+        description=(
+            "Sources admitted to the HTTP port, besides the operator (metrics, drains); empty admits any source."
+        ),
+    )
+
+
 class DriverSpec(ApiModel):
     """The group's driver: HTTP front end, batcher and ZMQ executor for all replicas."""
 
@@ -431,9 +512,16 @@ class DriverSpec(ApiModel):
             f"{wiring.DEFAULT_RESPONSE_PORT} (the driver's ZMQ ports)."
         ),
     )
-    cpu: Quantity | None = Field(default=None, description="CPU request and limit of the driver pod.")
-    memory: Quantity | None = Field(default=None, description="Memory request and limit of the driver pod.")
+    cpu: Quantity = Field(default=DEFAULT_DRIVER_CPU, description="CPU request and limit of the driver pod.")
+    memory: Quantity = Field(
+        default=DEFAULT_DRIVER_MEMORY, description="Memory request and limit of the driver pod."
+    )
+    tmp_size: Quantity = Field(default=DEFAULT_DRIVER_TMP_SIZE, description=TMP_SIZE_DESCRIPTION)
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Request batching.")
+    network_policy: DriverNetworkPolicySpec = Field(
+        default_factory=DriverNetworkPolicySpec,
+        description="Who may reach the driver; its ZMQ ports admit only the group's worker pods.",
+    )
 
     cross_field_rules = (
         CrossFieldRule(

@@ -5,6 +5,7 @@ from iwg_operator.builders.driver import driver_deployment, driver_service
 from iwg_operator.builders.support import (
     config_map,
     curve_secret,
+    driver_network_policy,
     headless_service,
     network_policy,
     pod_disruption_budget,
@@ -18,6 +19,7 @@ __all__ = [
     "config_map",
     "curve_secret",
     "driver_deployment",
+    "driver_network_policy",
     "driver_service",
     "headless_service",
     "network_policy",

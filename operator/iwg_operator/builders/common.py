@@ -16,7 +16,9 @@ Manifest = dict[str, Any]
 CURVE_MOUNT = "/etc/iwg/curve"
 ADMIN_TOKEN_KEY = "admin.token"
 CONFIG_KEY = "group.json"
-RUN_AS_USER = 1000
+# The worker image's user and group (`USER 65532:65532` in worker_image/Dockerfile), as the chart runs the
+# operator image: the pods run as the user the image's files were made for.
+RUN_AS_USER = 65532
 
 
 @dataclass(frozen=True)
@@ -136,15 +138,22 @@ def restricted_pod_security() -> Manifest:
     }
 
 
-def resources(cpu: str | None, memory: str | None, gpus: int = 0) -> Manifest:
+def resources(cpu: str | None, memory: str | None, tmp_size: str, gpus: int = 0) -> Manifest:
+    """Requests equal to limits; ephemeral storage is /tmp's size (the root filesystem is read-only)."""
     amounts: dict[str, str] = {}
     if cpu is not None:
         amounts["cpu"] = cpu
     if memory is not None:
         amounts["memory"] = memory
+    amounts["ephemeral-storage"] = tmp_size
     if gpus:
         amounts["nvidia.com/gpu"] = str(gpus)
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def tmp_volume(tmp_size: str) -> Manifest:
+    """/tmp: the one writable directory of a pod whose root filesystem is read-only, bounded."""
+    return {"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}}
 
 
 def field_env(name: str, field_path: str) -> Manifest:

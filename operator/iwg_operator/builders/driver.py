@@ -19,6 +19,7 @@ from iwg_operator.builders.common import (
     restricted_container_security,
     restricted_pod_security,
     secret_name,
+    tmp_volume,
     with_spec_hash,
 )
 
@@ -70,7 +71,7 @@ def driver_deployment(group: Group) -> Manifest:
             {"name": "rpc", "containerPort": wiring.DEFAULT_RPC_PORT, "protocol": "TCP"},
             {"name": "response", "containerPort": wiring.DEFAULT_RESPONSE_PORT, "protocol": "TCP"},
         ],
-        "resources": resources(spec.driver.cpu, spec.driver.memory),
+        "resources": resources(spec.driver.cpu, spec.driver.memory, spec.driver.tmp_size),
         "livenessProbe": {
             "httpGet": {**http_get, "path": "/healthz"},
             "periodSeconds": 10,
@@ -105,7 +106,7 @@ def driver_deployment(group: Group) -> Manifest:
                     "securityContext": restricted_pod_security(),
                     "containers": [container],
                     "volumes": [
-                        {"name": "tmp", "emptyDir": {}},
+                        tmp_volume(spec.driver.tmp_size),
                         {
                             "name": "curve",
                             "secret": {"secretName": secret_name(group.name), "defaultMode": 0o440},

@@ -1,4 +1,4 @@
-"""The group's supporting objects: headless Service, CURVE Secret, ConfigMap, NetworkPolicy, PDB."""
+"""The group's supporting objects: headless Service, CURVE Secret, ConfigMap, NetworkPolicies, PDB."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from iwg_operator.builders.common import (
     Group,
     Manifest,
     config_map_name,
+    driver_name,
     headless_service_name,
     metadata,
     network_policy_name,
@@ -85,32 +86,63 @@ def config_map(group: Group, settings: BuildSettings) -> Manifest:
     return with_spec_hash(manifest)
 
 
-def network_policy(group: Group, settings: BuildSettings) -> Manifest:
-    """Worker ports admit only the group's own pods (workers, driver) and the operator (prober)."""
+def _operator_peer(settings: BuildSettings) -> Manifest:
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}},
+        "podSelector": {"matchLabels": dict(settings.operator_pod_labels)},
+    }
+
+
+def _tcp(*ports: int) -> list[Manifest]:
+    return [{"port": port, "protocol": "TCP"} for port in ports]
+
+
+def _ingress_policy(group: Group, name: str, component: str, ingress: list[Manifest]) -> Manifest:
+    selector = labels.driver_selector if component == labels.COMPONENT_DRIVER else labels.worker_selector
     manifest: Manifest = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(group, network_policy_name(group.name), labels.COMPONENT_WORKER),
+        "metadata": metadata(group, name, component),
         "spec": {
-            "podSelector": {"matchLabels": labels.worker_selector(group.name)},
+            "podSelector": {"matchLabels": selector(group.name)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {labels.GROUP: group.name}}}]},
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {
-                                "matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}
-                            },
-                            "podSelector": {"matchLabels": dict(settings.operator_pod_labels)},
-                        }
-                    ],
-                    "ports": [{"port": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"}],
-                },
-            ],
+            "ingress": ingress,
         },
     }
     return with_spec_hash(manifest)
+
+
+def network_policy(group: Group, settings: BuildSettings) -> Manifest:
+    """Worker ports admit only the group's own pods (workers, driver) and the operator (prober)."""
+    return _ingress_policy(
+        group,
+        network_policy_name(group.name),
+        labels.COMPONENT_WORKER,
+        [
+            {"from": [{"podSelector": {"matchLabels": {labels.GROUP: group.name}}}]},
+            {"from": [_operator_peer(settings)], "ports": _tcp(wiring.DEFAULT_HEALTH_PORT)},
+        ],
+    )
+
+
+def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
+    """The driver's HTTP port admits spec.driver.networkPolicy.httpFrom (any source when empty) and the
+    operator (metrics, drains); its ZMQ ports admit only the group's worker pods."""
+    http = _tcp(group.spec.driver.port)
+    http_from = [peer.to_manifest() for peer in group.spec.driver.network_policy.http_from]
+    return _ingress_policy(
+        group,
+        driver_name(group.name),
+        labels.COMPONENT_DRIVER,
+        [
+            {"from": http_from, "ports": http} if http_from else {"ports": http},
+            *([{"from": [_operator_peer(settings)], "ports": http}] if http_from else []),
+            {
+                "from": [{"podSelector": {"matchLabels": labels.worker_selector(group.name)}}],
+                "ports": _tcp(wiring.DEFAULT_RPC_PORT, wiring.DEFAULT_RESPONSE_PORT),
+            },
+        ],
+    )
 
 
 def pod_disruption_budget(group: Group) -> Manifest:

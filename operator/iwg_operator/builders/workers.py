@@ -25,6 +25,7 @@ from iwg_operator.builders.common import (
     restricted_pod_security,
     secret_name,
     stable_hash,
+    tmp_volume,
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -140,7 +141,7 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
             {"name": HEALTH_PORT_NAME, "containerPort": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": wiring.DEFAULT_MASTER_PORT, "protocol": "TCP"},
         ],
-        "resources": resources(spec.worker.cpu, spec.worker.memory, spec.worker.gpus),
+        "resources": resources(spec.worker.cpu, spec.worker.memory, spec.worker.tmp_size, spec.worker.gpus),
         "startupProbe": {
             "httpGet": {**http_get, "path": "/healthz"},
             "periodSeconds": health.period_seconds,
@@ -180,7 +181,7 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.worker.shm_size}},
-            {"name": "tmp", "emptyDir": {}},
+            tmp_volume(spec.worker.tmp_size),
             {
                 "name": "curve",
                 "secret": {
