@@ -220,7 +220,8 @@ class Workload:
             self.cp.kubectl("get", "-n", self.ns, self.CHILD_KINDS, "-l", selector, "-o", "json").stdout
         )["items"]
         hashes = [(i["metadata"].get("annotations") or {}).get(self.SPEC_HASH) for i in items]
-        return len(items) == 6 and all(h and h != "edited" for h in hashes)
+        # Two Services, the ConfigMap, the driver's Deployment, two NetworkPolicies, the PDB.
+        return len(items) == 7 and all(h and h != "edited" for h in hashes)
 
     def gone(self) -> bool:
         try:
