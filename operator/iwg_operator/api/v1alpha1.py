@@ -9,6 +9,7 @@ same messages.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -443,15 +444,46 @@ class LabelSelector(ApiModel):
     )
 
 
+# The longest CIDR: a full IPv6 address and "/128".
+CIDR_MAX_LENGTH = 43
+
+
+def _is_cidr(text: str) -> bool:
+    """An address and a prefix length, as Kubernetes' CEL isCIDR() and NetworkPolicy validation take it."""
+    address, slash, length = text.partition("/")
+    if not slash or not length.isdigit():
+        return False
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return address == address.strip()
+
+
 class IPBlock(ApiModel):
     """A CIDR with optional exceptions (as in networking/v1)."""
 
-    cidr: str = Field(min_length=1, max_length=64, description="Allowed CIDR, e.g. 10.0.0.0/8.")
-    except_: list[str] | None = Field(
+    cidr: str = Field(min_length=1, max_length=CIDR_MAX_LENGTH, description="Allowed CIDR, e.g. 10.0.0.0/8.")
+    except_: list[Annotated[str, Field(max_length=CIDR_MAX_LENGTH)]] | None = Field(
         default=None,
         alias="except",
-        max_length=32,
+        max_length=16,
         description="CIDRs inside cidr that are not allowed.",
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="isCIDR(self.cidr)",
+            message="spec.driver.networkPolicy.httpFrom[].ipBlock.cidr must be a CIDR (address/prefix length)",
+            check=lambda b: _is_cidr(b.cidr),
+            field_path=".cidr",
+        ),
+        CrossFieldRule(
+            cel="!has(self.except) || self.except.all(c, isCIDR(c))",
+            message="spec.driver.networkPolicy.httpFrom[].ipBlock.except must hold CIDRs (address/prefix length)",
+            check=lambda b: all(_is_cidr(c) for c in b.except_ or []),
+            field_path=".except",
+        ),
     )
 
 
