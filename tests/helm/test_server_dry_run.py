@@ -1,17 +1,20 @@
 """Every value set's rendered manifests are accepted by the real API server (server-side dry run, strict
-field validation), and the operator's pod template passes the `restricted` Pod Security level."""
+field validation), and the operator's pod template passes the `restricted` Pod Security level; so do the
+objects the operator builds for the example groups."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.control_plane import ControlPlane
 from tests.helm import chart
+from tests.helm.test_kube_score import EXAMPLE_GROUPS, group_objects
 
 pytestmark = pytest.mark.cluster
 
@@ -78,3 +81,24 @@ def test_the_api_server_accepts_the_rendered_chart(
     assert len(accepted) == len(docs), done.stdout
     # Workload templates are checked against the namespace's level with a warning (pods are enforced).
     assert "PodSecurity" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLE_GROUPS), ids=str)
+def test_the_api_server_accepts_what_the_operator_builds_for_the_example_groups(
+    example: str, controller_manager: ControlPlane, k8s: ApiClient, namespace: str
+) -> None:
+    """The objects kube-score is run on (tests/helm/test_kube_score.py), in a `restricted` namespace (pods
+    need its `default` ServiceAccount, which the controller manager creates)."""
+    control_plane = controller_manager
+    core = client.CoreV1Api(k8s)
+    restricted = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn")}
+    core.patch_namespace(namespace, {"metadata": {"labels": restricted}})
+    body = EXAMPLE_GROUPS[example]()
+    body["metadata"]["namespace"] = namespace
+    docs = group_objects(body)
+    done = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=yaml.safe_dump_all(docs)
+    )
+    accepted = [line for line in done.stdout.splitlines() if line.endswith("(server dry run)")]
+    assert len(accepted) == len(docs), done.stdout
+    assert "PodSecurity" not in done.stderr and "Warning" not in done.stderr, done.stderr
