@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,11 +11,20 @@ from functools import cache
 from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build.sh"
+VERSIONS = BUILD_SCRIPT.parent / "versions.env"
 BUILT = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm", "kwok", "kube-score")
 
 
 class BinaryMissingError(RuntimeError):
     pass
+
+
+def pin(name: str, versions: Path = VERSIONS) -> str:
+    """A pinned version from versions.env (`HELM_VERSION`, ...)."""
+    found = re.search(rf"^{re.escape(name)}=(\S+)$", versions.read_text(), re.MULTILINE)
+    if found is None:
+        raise KeyError(f"{versions} pins no {name}")
+    return found.group(1)
 
 
 @cache

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,12 +47,6 @@ def _edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def _pin(tree: Path, name: str) -> str:
-    found = re.search(rf"^{name}=(\S+)$", (tree / "versions.env").read_text(), re.M)
-    assert found, name
-    return found.group(1)
-
-
 def test_changing_a_pin_changes_the_keys_of_the_binaries_that_use_it_only(tmp_path: Path) -> None:
     tree = _copy_of_the_script(tmp_path)
     cache = tmp_path / "cache"
@@ -65,7 +58,7 @@ def test_changing_a_pin_changes_the_keys_of_the_binaries_that_use_it_only(tmp_pa
         now = _keys(tree, cache)
         return {name for name in before if now[name] != before[name]}
 
-    helm = _pin(tree, "HELM_VERSION")
+    helm = binaries.pin("HELM_VERSION", tree / "versions.env")
     _edit(tree / "versions.env", f"HELM_VERSION={helm}", "HELM_VERSION=v3.21.3")
     assert changed() == {"helm"}
     assert _run(tree, "--print-dir", cache=cache).stdout.strip() != directory
@@ -76,12 +69,12 @@ def test_changing_a_pin_changes_the_keys_of_the_binaries_that_use_it_only(tmp_pa
     assert changed() == {"etcd"}
     _edit(
         tree / "versions.env",
-        f"KUBE_SCORE_VERSION={_pin(tree, 'KUBE_SCORE_VERSION')}",
+        f"KUBE_SCORE_VERSION={binaries.pin('KUBE_SCORE_VERSION', tree / 'versions.env')}",
         "KUBE_SCORE_VERSION=v1.19.0",
     )
     assert changed() == {"etcd", "kube-score"}
     # helm's default Kubernetes version is the pinned cluster's, so it follows that pin too.
-    kubernetes = _pin(tree, "KUBERNETES_VERSION")
+    kubernetes = binaries.pin("KUBERNETES_VERSION", tree / "versions.env")
     _edit(tree / "versions.env", f"KUBERNETES_VERSION={kubernetes}", "KUBERNETES_VERSION=v1.36.3")
     assert changed() == {
         "etcd", "kube-score", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm"

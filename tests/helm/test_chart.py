@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster import binaries
 from tests.helm import chart
 from tests.helm.chart import CHART, ROOT, VALUE_SETS, one, render
 
@@ -198,16 +199,11 @@ def test_the_values_file_documents_every_key() -> None:
     assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
 
 
-def _pin(name: str) -> str:
-    text = (ROOT / "tests" / "cluster" / "versions.env").read_text()
-    found = re.search(rf"^{name}=(\S+)$", text, re.M)
-    assert found, name
-    return found.group(1)
-
-
 def test_helm_is_the_pinned_approved_version_and_assumes_the_pinned_kubernetes(tmp_path: Path) -> None:
-    assert chart.helm("version", "--template", "{{ .Version }}").stdout == _pin("HELM_VERSION")
-    assert _pin("HELM_VERSION") != "v3.22.0", "helm v3.22.0 is served by the package mirror but not approved"
+    assert chart.helm("version", "--template", "{{ .Version }}").stdout == binaries.pin("HELM_VERSION")
+    assert binaries.pin("HELM_VERSION") != "v3.22.0", (
+        "helm v3.22.0 is served by the package mirror but not approved"
+    )
     # Without --kube-version helm assumes its default version, set at link time to the pinned cluster's
     # (unset it is v1.20, which the chart's kubeVersion refuses).
     rendered = chart.documents(chart.helm("template", "iwg", str(CHART), "--namespace", "iwg-system").stdout)
@@ -217,5 +213,5 @@ def test_helm_is_the_pinned_approved_version_and_assumes_the_pinned_kubernetes(t
     (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.1.0\n")
     (probe / "templates" / "version.yaml").write_text("kube: {{ .Capabilities.KubeVersion.Version }}\n")
     assumed = chart.documents(chart.helm("template", "probe", str(probe)).stdout)[0]["kube"]
-    major, minor = _pin("KUBERNETES_VERSION").split(".")[:2]
+    major, minor = binaries.pin("KUBERNETES_VERSION").split(".")[:2]
     assert assumed == f"{major}.{minor}.0"
