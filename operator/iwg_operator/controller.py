@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import zmq
 
 from iwg_operator import builders, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
 from iwg_operator.builders.workers import name_group_fields
+from iwg_operator.driver_admin import DrainError, NoReadyDriver, drain_group_replicas
 from iwg_operator.health.policy import avoid_nodes, current_avoided
 from iwg_operator.kube import (
     CONFIG_MAPS,
@@ -78,6 +80,7 @@ class GroupState:
     children_attempted: bool = False  # a retry after a failed first pass looks before it creates
     decided_generation: int = 0  # the generation whose spec was last accepted or rejected
     invalid: str | None = None  # why the decided spec was rejected; the loop marks the group with it
+    drained: set[int] = field(default_factory=set)  # replicas drained in the driver for a scale-down
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -112,6 +115,7 @@ class Controller:
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
         self._support_slots = asyncio.Semaphore(SUPPORT_CONCURRENCY)
+        self._http: aiohttp.ClientSession | None = None
         self.scheduling_timeout = float(
             os.environ.get(ENV_SCHEDULING_TIMEOUT, status.DEFAULT_SCHEDULING_TIMEOUT_SECONDS)
         )
@@ -187,7 +191,15 @@ class Controller:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._http is not None:
+            await self._http.close()
         await self.kube.close()
+
+    def http(self) -> aiohttp.ClientSession:
+        """The session for calls to the groups' drivers (draining replicas before a scale-down)."""
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
 
     # ------------------------------------------------------------------ the loop
 
@@ -252,6 +264,7 @@ class Controller:
         plan = planning.plan_pods(desired, pods)
         failure: str | None = None
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
+        await self._undrain_kept(state, group)
         if children_due:
             try:
                 await self._ensure_secret(group, fresh)
@@ -260,6 +273,8 @@ class Controller:
                 # Pods would mount keys that are not the group's, or be reachable unfenced: create none.
                 failure = str(error)
         if failure is None and not plan.empty:
+            if not await self._drain_leaving(state, group, plan, done):
+                return 0.0  # the spec changed while the driver drained: plan again with the new one
             failure = await self._apply_plan(state, group, plan, done)
             pods = self._observed_pods(state, desired)
             plan = planning.plan_pods(desired, pods)
@@ -363,6 +378,60 @@ class Controller:
             replicas = sorted({replica for replica, _ in created})
             done.append(("CreatedPods", f"created {len(created)} pod(s) for replicas {_ranges(replicas)}"))
         return failure
+
+    async def _drain_leaving(
+        self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
+    ) -> bool:
+        """Before a scale-down deletes pods (whoever lowered spec.replicas), the driver stops sending batches to
+        the leaving replicas and finishes the ones in flight, for at most rollout.drainTimeoutSeconds. Returns
+        False when the group's spec changed meanwhile (the plan is stale)."""
+        leaving = [r for r in plan.scale_down if r not in state.drained]
+        timeout = group.spec.rollout.drain_timeout_seconds
+        if not leaving or timeout == 0:
+            return True
+        started = time.monotonic()
+        try:
+            await drain_group_replicas(
+                self.kube, self.http(), group.namespace, group.name, group.spec.driver.port, leaving, timeout
+            )
+            seconds = time.monotonic() - started
+            done.append(
+                ("DrainedReplicas", f"drained replicas {_ranges(leaving)} in the driver in {seconds:.1f}s")
+            )
+        except NoReadyDriver:
+            pass  # no driver routes anything to them
+        except (DrainError, ApiError, aiohttp.ClientError, TimeoutError) as error:
+            await self._event(
+                state,
+                "Warning",
+                "DrainFailed",
+                f"replicas {_ranges(leaving)} not drained in the driver ({error}); removing them anyway",
+                once=False,
+            )
+        state.drained.update(leaving)
+        return state.group is group
+
+    async def _undrain_kept(self, state: GroupState, group: builders.Group) -> None:
+        """Replicas drained for a scale-down that was undone before their pods went serve again."""
+        kept = sorted(r for r in state.drained if r < group.spec.replicas)
+        if not kept:
+            return
+        state.drained.difference_update(kept)
+        try:
+            await drain_group_replicas(
+                self.kube,
+                self.http(),
+                group.namespace,
+                group.name,
+                group.spec.driver.port,
+                kept,
+                10,
+                undrain=True,
+            )
+        except NoReadyDriver:
+            pass  # a new driver starts with nothing drained
+        except (DrainError, ApiError, aiohttp.ClientError, TimeoutError) as error:
+            log.warning("%s/%s: replicas %s not undrained: %s", *state.key, _ranges(kept), error)
 
     async def _create_pods(
         self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]]

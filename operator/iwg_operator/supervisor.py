@@ -8,7 +8,6 @@ group's spec.replicas, its status counters and conditions, and Events.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import os
@@ -18,13 +17,13 @@ from typing import Any
 
 import aiohttp
 
-from iwg_operator import labels, metrics, status
-from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision, drain_replicas
-from iwg_operator.builders.common import ADMIN_TOKEN_KEY, secret_name
+from iwg_operator import metrics, status
+from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
+from iwg_operator.driver_admin import admin_token, drain_replicas, driver_address
 from iwg_operator.health.policy import avoid_after_fault, current_avoided
 from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
-from iwg_operator.kube import GROUPS, PODS, SECRETS, ApiError
+from iwg_operator.kube import GROUPS, PODS, ApiError
 
 log = logging.getLogger("iwg_operator.supervisor")
 
@@ -155,7 +154,7 @@ class Supervisor:
         assert group is not None
         spec = group.spec
         current = spec.replicas
-        driver = await self._driver_address(group.namespace, group.name)
+        driver = await driver_address(self.controller.kube, group.namespace, group.name)
         sample, error = None, "the driver is not ready"
         if driver is not None:
             try:
@@ -190,9 +189,13 @@ class Supervisor:
             )
         if desired < current:
             try:
-                token = await self._admin_token(group.namespace, group.name)
+                token = await admin_token(self.controller.kube, group.namespace, group.name)
                 await drain_replicas(
-                    self.http(), f"http://{driver}:{group.spec.driver.port}", token, range(desired, current)
+                    self.http(),
+                    f"http://{driver}:{group.spec.driver.port}",
+                    token,
+                    range(desired, current),
+                    group.spec.rollout.drain_timeout_seconds,
                 )
             except Exception as error:
                 return ScaleDecision(None, "DrainFailed", f"holding at {current}: drain failed: {error}")
@@ -206,25 +209,6 @@ class Supervisor:
             state, "Normal", "Autoscaled", f"replicas {current} -> {desired}: {decision.message}", once=False
         )
         return decision
-
-    async def _driver_address(self, namespace: str, group: str) -> str | None:
-        selector = labels.selector_string(labels.driver_selector(group))
-        for pod in await self.controller.kube.list(PODS, namespace, selector):
-            pod_status = pod.get("status") or {}
-            ready = any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in pod_status.get("conditions") or []
-            )
-            if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-                return str(pod_status["podIP"])
-        return None
-
-    async def _admin_token(self, namespace: str, group: str) -> str:
-        secret = await self.controller.kube.get(SECRETS, namespace, secret_name(group))
-        data = (secret or {}).get("data") or {}
-        if ADMIN_TOKEN_KEY not in data:
-            raise ApiError(404, "NotFound", f"Secret {secret_name(group)} has no {ADMIN_TOKEN_KEY}")
-        return base64.b64decode(data[ADMIN_TOKEN_KEY]).decode()
 
     # ------------------------------------------------------------------ status
 

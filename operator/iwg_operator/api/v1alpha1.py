@@ -755,6 +755,15 @@ class RolloutSpec(ApiModel):
     max_unavailable: int = Field(
         default=1, ge=1, le=MAX_REPLICAS, description="Replicas that may be replaced at the same time."
     )
+    drain_timeout_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=600,
+        description=(
+            "When replicas are lowered (kubectl scale, an HPA, the autoscaler), how long the driver may finish "
+            "a leaving replica's in-flight batches before its pods are deleted; 0 deletes them at once."
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- spec

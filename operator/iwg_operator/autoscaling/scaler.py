@@ -1,5 +1,6 @@
 """The autoscaler of one group: scrapes the driver's /metrics, recommends with the HPA formula, stabilizes,
-and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in the driver first.
+and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in the driver first
+(iwg_operator.driver_admin).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from iwg_operator.autoscaling.policy import (
 log = logging.getLogger("iwg_operator.autoscaling")
 
 SCRAPE_TIMEOUT_S = 3.0
-DRAIN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -76,24 +76,3 @@ class GroupScaler:
         desired = stabilize(current, self.history, now, spec)
         message = f"{spec.metric} {value:.2f} per replica (target {spec.target:g}) -> {desired} replicas"
         return ScaleDecision(desired, "ScalingActive", message, value)
-
-
-async def drain_replicas(
-    http: aiohttp.ClientSession, base_url: str, token: str, replicas: range
-) -> list[int]:
-    """Drains each replica in the driver (no new batches, in-flight ones finish); returns the drained ones."""
-    drained = []
-    for replica in replicas:
-        url = f"{base_url}/admin/replicas/{replica}/drain?timeout={DRAIN_TIMEOUT_S:g}"
-        async with http.post(
-            url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=aiohttp.ClientTimeout(total=DRAIN_TIMEOUT_S + 10),
-        ) as response:
-            if response.status == 404:  # the driver never saw this replica: nothing to drain
-                drained.append(replica)
-                continue
-            if response.status != 200:
-                raise MetricsError(f"drain of replica {replica} answered HTTP {response.status}")
-            drained.append(replica)
-    return drained

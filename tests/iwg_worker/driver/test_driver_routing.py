@@ -336,3 +336,14 @@ async def test_token_ids_outside_the_vocabulary_are_a_400_and_never_reach_a_repl
         assert word in body["error"]["message"], body
     assert ok.status == 200
     assert [b.inputs for b in pool.replicas[0].batches] == [((5, 96),)]
+
+
+async def test_a_drained_replica_that_left_serves_again_when_its_index_comes_back() -> None:
+    pool = FakePool(replicas=2, delay_s=0.01)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with serve(pool) as (client, driver):
+        resp = await client.post("/admin/replicas/1/drain", headers=auth)
+        assert resp.status == 200 and driver.router.serving() == [0]
+        pool.set_state(1, ReplicaState.DEAD)  # scaled down: its pods went
+        pool.set_state(1, ReplicaState.SERVING)  # scaled up again: new pods joined
+        assert driver.router.serving() == [0, 1]

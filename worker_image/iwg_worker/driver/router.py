@@ -88,6 +88,9 @@ class Router:
     def _on_membership(self, event: MembershipEvent) -> None:
         previous = self._states.get(event.replica)
         self._states[event.replica] = event.state
+        if event.state is ReplicaState.DEAD:
+            # A drained replica that left ends its drain: when its index comes back (a scale-up), it serves.
+            self._draining.discard(event.replica)
         if previous is not event.state:
             log.info("replica %d: %s -> %s %s", event.replica, previous, event.state.value, event.reason)
         self._publish(event.replica)

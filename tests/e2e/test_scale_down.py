@@ -1,0 +1,61 @@
+"""`kubectl scale` (or an HPA) lowering replicas under load: the operator drains the leaving replica in the
+driver before it deletes its pods, so no batch in flight is cut (the driver retries none) and no request fails."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from tests.e2e.harness import Load, eventually, group_manifest, wait_serving
+from tests.iwg_operator.conftest import Groups
+from tests.nodeagent.fixture import NodeAgentProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+def retried_batches(address: str) -> float:
+    """The driver's count of batches it retried on another replica because theirs went away."""
+    with urllib.request.urlopen(f"http://{address}:8000/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("iwg_batch_retries_total")
+    ]
+    return sum(values)
+
+
+def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "shrink"
+    manifest = group_manifest(name, replicas=2)
+    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
+    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
+    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    load = Load(address, MODEL, clients=6, inputs=2).start()
+    time.sleep(3)  # both replicas have batches in flight (each takes 0.4 s more than the model needs)
+    before = retried_batches(address)
+
+    control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=1")
+    eventually(
+        lambda: {p.metadata.labels["inference.iwg.dev/replica"] for p in groups.pods(name)} == {"0"},
+        90,
+        "replica 1's pods gone",
+    )
+    time.sleep(2)
+    load.stop()
+
+    assert load.failures == [], load.failures[:3]
+    assert load.ok > 10
+    assert retried_batches(address) == before, "a batch was cut: replica 1 went with batches in flight"
+    events = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
+    drained = [e.message for e in events if e.reason == "DrainedReplicas"]
+    assert len(drained) == 1 and "replicas 1 " in drained[0], drained
