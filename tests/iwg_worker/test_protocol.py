@@ -48,6 +48,31 @@ def test_call_round_trip_keeps_tensors_dtypes_and_shapes(
     assert torch.equal(message.kwargs["k"], torch.zeros(1))
 
 
+TENSORS = [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # not contiguous
+    torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16),  # no numpy dtype: raw 2-byte words
+    torch.tensor(7, dtype=torch.int64),  # 0-d
+    torch.empty((0, 5), dtype=torch.float16),
+    torch.ones(3, requires_grad=True),
+]
+
+
+@pytest.mark.parametrize("tensor", TENSORS, ids=["strided", "bfloat16", "scalar", "empty", "requires grad"])
+def test_one_tensor_codec_for_the_zmq_wire_and_for_ray(tensor: torch.Tensor) -> None:
+    from iwg_worker.executor.ray_data import TensorBytes, from_ray, to_ray
+
+    dtype, shape, raw = protocol.tensor_bytes(tensor)
+    assert (dtype, shape) == (str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+    assert raw.dtype == np.uint8 and raw.nbytes == tensor.numel() * tensor.element_size()
+    back = protocol.tensor_from_bytes(raw, dtype, shape)
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor.detach())
+    # Ray's plain-data form is the same codec's bytes, and comes back as the same tensor.
+    packed, nbytes = to_ray({"t": tensor}, "args")
+    assert isinstance(packed["t"], TensorBytes) and nbytes == raw.nbytes
+    assert bytes(packed["t"].data) == bytes(raw)
+    assert torch.equal(from_ray(packed)["t"], tensor.detach())
+
+
 def test_tensors_travel_inline_up_to_the_limit_and_framed_above_it() -> None:
     limit = protocol.INLINE_TENSOR_MAX_BYTES
     at_limit, above = torch.ones(limit, dtype=torch.uint8), torch.ones(limit + 1, dtype=torch.uint8)

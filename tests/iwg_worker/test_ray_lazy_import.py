@@ -1,4 +1,4 @@
-"""Ray is an optional extra: nothing but `iwg_worker.executor.ray` may import it."""
+"""Ray is an optional extra: nothing but `iwg_worker.executor.ray` and its actor module may import it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib, pkgutil, sys
 import iwg_worker, iwg_operator
-skip = {"iwg_worker.executor.ray"}
+skip = {"iwg_worker.executor.ray", "iwg_worker.executor.ray_actor"}
 for package in (iwg_worker, iwg_operator):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         if info.name not in skip:

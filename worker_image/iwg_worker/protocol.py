@@ -194,20 +194,8 @@ class _Encoder:
         )
 
     def _torch(self, tensor: Any) -> msgpack.ExtType:
-        if tensor.is_cpu and not tensor.requires_grad:
-            dtype = _torch_numpy_dtypes().get(tensor.dtype)
-            if dtype is not None:  # fast path: one call to torch, the rest in numpy
-                return self._array(_KIND_TORCH, dtype, tensor.numpy())
-        torch = _torch_module()
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        tensor = tensor.contiguous()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _ITEMSIZE:
-            raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
-        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
-        return self._array(_KIND_TORCH, dtype, raw, list(tensor.shape))
+        dtype, shape, raw = tensor_bytes(tensor)
+        return self._array(_KIND_TORCH, dtype, raw, shape)
 
     def _array(
         self, kind: str, dtype: str, array: np.ndarray[Any, Any], shape: list[int] | None = None
@@ -370,7 +358,7 @@ def _check_tensor(kind: Any, dtype: Any, shape: Any, nbytes: int, what: str) -> 
 def _tensor_from(kind: str, dtype: str, shape: list[int], buf: Any) -> Any:
     if kind == _KIND_NUMPY:
         return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
-    return _torch_from_buffer(buf, dtype, shape)
+    return tensor_from_bytes(buf, dtype, shape)
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -384,7 +372,29 @@ def _buffer(frame: Any) -> memoryview:
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
-def _torch_from_buffer(buf: Any, dtype: str, shape: list[int]) -> Any:
+def tensor_bytes(tensor: Any) -> tuple[str, list[int], np.ndarray[Any, np.dtype[np.uint8]]]:
+    """A torch tensor as what travels: its dtype name, its shape, and its bytes as a flat uint8 numpy array
+    (a view, no copy, for a contiguous CPU tensor). The ZMQ wire sends the bytes as a frame, Ray as a numpy
+    array; `tensor_from_bytes` turns them back into a tensor. The one tensor codec of the project."""
+    if tensor.is_cpu and not tensor.requires_grad:
+        dtype = _torch_numpy_dtypes().get(tensor.dtype)
+        if dtype is not None:  # fast path: one call to torch, the rest in numpy
+            array = tensor.numpy()  # its shape before ascontiguousarray, which makes a 0-d array 1-d
+            return dtype, list(array.shape), np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    torch = _torch_module()
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in _ITEMSIZE:
+        raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}")
+    raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+    return dtype, list(tensor.shape), raw
+
+
+def tensor_from_bytes(buf: Any, dtype: str, shape: list[int]) -> Any:
+    """The torch tensor `tensor_bytes` took apart, sharing `buf`'s (read-only) memory."""
     torch = _torch_module()
     if len(buf) == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))

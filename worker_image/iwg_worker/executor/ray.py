@@ -1,16 +1,14 @@
 """`RayExecutor`: a group's ranks as Ray actors, one `RayWorkerWrapper` per rank, a placement group per replica.
 
-Transport and trust. Calls travel as Ray actor tasks, and Ray serialises their arguments and results between
-its own processes with its own pickle-based serializer. That is Ray's transport, inside the user's own Ray
-cluster, which its users trust as a whole (anyone who can reach it can run code on it); it is not iwg's wire
-protocol, which stays msgpack plus raw frames. iwg adds no pickle of its own here, and this executor lets only
-plain data cross: None, bool, int, float, str, bytes, lists, tuples, dicts with string keys, numpy arrays and
-torch tensors, in calls and in results alike. Anything else is refused with a `TypeError` naming where it
-was, so a call that works on Ray also works over ZMQ. Methods travel as names and are resolved on the actor
-by the same allow-list as everywhere else (`WorkerWrapperBase.resolve_method`); no callable travels.
+Three files, one role each: this one places the actors and runs the calls; `ray_actor.py` is the actor
+(`RayWorkerWrapper`); `ray_data.py` lets only plain data cross (Ray's own pickle-based serializer is Ray's
+transport inside the user's trusted Ray cluster, not iwg's wire; iwg adds no pickle) and sends torch tensors
+as their bytes with the project's one tensor codec (`protocol.tensor_bytes`). Methods travel as names,
+resolved on the actor by the same allow-list as everywhere else; no callable travels.
 
-Ray is imported by this module alone: `iwg_worker`, its other executors and `iwg serve` without
-``--executor ray`` never import it, and `iwg_operator` never imports this module. Install the ``ray`` extra.
+Ray is imported by this module and `ray_actor.py` alone: `iwg_worker`, its other executors and `iwg serve`
+without ``--executor ray`` never import it, and `iwg_operator` never imports them. Install the ``ray``
+extra.
 
 Placement: each replica gets a placement group of ``world_size`` bundles (one GPU each where the cluster has
 GPUs, else one CPU), ``PACK``ed by default so a replica's ranks share a node where they fit; rank k's actor
@@ -29,18 +27,13 @@ import dataclasses
 import heapq
 import itertools
 import logging
-import os
-import socket
 import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 from iwg_operator.api import wiring
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -56,193 +49,17 @@ from iwg_worker.executor.base import (
     RPCError,
     RPCTimeoutError,
 )
+from iwg_worker.executor.ray_actor import ray_actor_class
+from iwg_worker.executor.ray_data import from_ray, to_ray
 from iwg_worker.worker_base import WorkerConfig
 from iwg_worker.worker_proc import DEFAULT_WORKER_CLS
-from iwg_worker.worker_wrapper import WorkerWrapperBase
 
 log = logging.getLogger(__name__)
 
-WATCH_GROUP = "iwg-watch"
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _SHUTDOWN_CALL_TIMEOUT_S = 5.0
 _SHARED_PAYLOAD_BYTES = 1 << 20
-
-
-# ------------------------------------------------------------------------------------------- plain data
-
-
-def _is_torch_tensor(value: Any) -> bool:
-    # Checked by name so that this module does not import torch in the caller.
-    kind = type(value)
-    return kind.__module__.startswith("torch") and kind.__name__ in ("Tensor", "Parameter")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorBytes:
-    """A torch tensor on its way through Ray: its bytes as a flat uint8 numpy array, which Ray ships without
-    a copy (a torch tensor itself would go through torch's own pickling, six times slower at 16 MiB), plus
-    the dtype and shape to rebuild it. The ZMQ protocol sends tensors the same way, as raw frames."""
-
-    data: np.ndarray[Any, np.dtype[np.uint8]]
-    dtype: str
-    shape: tuple[int, ...]
-
-
-def to_ray(value: Any, where: str) -> tuple[Any, int]:
-    """Check that ``value`` is plain data and ready it for Ray: torch tensors become `TensorBytes`.
-
-    Returns the converted value and the bytes its buffers hold. A `TypeError` names what is not plain data
-    and where it was (a path like ``args[0]['x']``).
-    """
-    if value is None or isinstance(value, bool | int | float | str | np.generic):
-        return value, 0
-    if isinstance(value, bytes):
-        return value, len(value)
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise TypeError(
-                f"{where} is a numpy array of Python objects: only numeric arrays cross to a worker"
-            )
-        return value, value.nbytes
-    if isinstance(value, list | tuple):
-        items = [to_ray(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return [v for v, _ in items], sum(n for _, n in items)
-    if isinstance(value, dict):
-        out = {}
-        size = 0
-        for key, v in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}: keys must be str")
-            out[key], n = to_ray(v, f"{where}[{key!r}]")
-            size += n
-        return out, size
-    if _is_torch_tensor(value):
-        import torch
-
-        tensor = value.detach().cpu().contiguous()
-        flat = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
-        packed = TensorBytes(flat, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        return packed, flat.nbytes
-    raise TypeError(
-        f"{where} is a {type(value).__qualname__}: only plain data (None, bool, int, float, str, bytes, lists, "
-        f"dicts with str keys, numpy arrays, torch tensors) crosses to a worker"
-    )
-
-
-def from_ray(value: Any) -> Any:
-    """Undo `to_ray`: `TensorBytes` become torch tensors sharing the received (read-only) memory."""
-    if isinstance(value, TensorBytes):
-        import torch
-
-        dtype = getattr(torch, value.dtype)
-        if not value.data.size:
-            return torch.empty(value.shape, dtype=dtype)
-        # Workers never write into their inputs; the tensor shares Ray's buffer instead of copying it.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(value.data, dtype=torch.uint8)
-        return flat.view(dtype).reshape(value.shape)
-    if isinstance(value, list):
-        return [from_ray(v) for v in value]
-    if isinstance(value, dict):
-        return {k: from_ray(v) for k, v in value.items()}
-    return value
-
-
-# ------------------------------------------------------------------------------------------- the actor
-
-
-class RayWorkerWrapper(WorkerWrapperBase):
-    """One rank inside a Ray actor: a `WorkerWrapperBase` plus the few methods the executor drives it with.
-
-    The executor calls `serve_call` for every collective call; its reply is a plain map, ``{ok, result}``
-    or ``{ok: False, error: {type, message, traceback}}``, as on the ZMQ wire.
-    """
-
-    def __init__(self, rpc_rank: int = 0) -> None:
-        super().__init__(rpc_rank)
-        self._watch_stopped = threading.Event()
-
-    def node_info(self) -> dict[str, Any]:
-        context = ray.get_runtime_context()
-        group = ray.util.get_current_placement_group()
-        return {
-            "pid": os.getpid(),
-            "placement_group": group.id.hex() if group is not None else "",
-            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
-            "node_id": context.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        }
-
-    def free_port(self) -> int:
-        """A port that is free on this actor's node now: rank 0 serves the torch.distributed rendezvous."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            return int(probe.getsockname()[1])
-
-    def init_worker_from_plain(self, all_kwargs: list[dict[str, Any]]) -> dict[str, Any]:
-        """`init_worker` with each rank's ``config`` given as a plain map (the fields of `WorkerConfig`)."""
-
-        def build() -> None:
-            built = []
-            for kwargs in all_kwargs:
-                kwargs = dict(kwargs)
-                if isinstance(kwargs.get("config"), dict):
-                    kwargs["config"] = WorkerConfig(**kwargs["config"])
-                built.append(kwargs)
-            self.init_worker(built)
-
-        return self._reply("init_worker", build)
-
-    def set_environment(self, envs: list[Mapping[str, str]]) -> dict[str, Any]:
-        return self._reply("update_environment_variables", lambda: self.update_environment_variables(envs))
-
-    def serve_call(
-        self, method: str, args: list[Any], kwargs: dict[str, Any], reply: bool, deadline: float | None
-    ) -> dict[str, Any]:
-        if deadline is not None and time.time() > deadline:
-            message = f"call {method!r} reached rank {self.rpc_rank} after its deadline"
-            return {"ok": False, "error": {"type": "DeadlineExceeded", "message": message, "traceback": ""}}
-
-        def call() -> Any:
-            result = self.execute_method(method, from_ray(args), from_ray(kwargs))
-            return to_ray(result, f"result of {method!r}")[0] if reply else None
-
-        return self._reply(method, call)
-
-    def _reply(self, what: str, fn: Callable[[], Any]) -> dict[str, Any]:
-        """Run ``fn``; its result or exception as a plain map (an exception object never crosses to Ray)."""
-        try:
-            return {"ok": True, "result": fn()}
-        except Exception as exc:
-            log.exception("%r failed on rank %d", what, self.rpc_rank)
-            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-            return {"ok": False, "error": error}
-
-    @ray.method(concurrency_group=WATCH_GROUP)
-    def watch(self) -> str:
-        """Returns only when `stop_watch` is called: the executor learns of this process's death by its error."""
-        self._watch_stopped.wait()
-        return "stopped"
-
-    @ray.method(concurrency_group=WATCH_GROUP)
-    def stop_watch(self) -> None:
-        self._watch_stopped.set()
-
-
-_actor_class: Any = None
-
-
-def _ray_actor_class() -> Any:
-    global _actor_class
-    if _actor_class is None:
-        # Two threads in the watch group: `watch` blocks one, `stop_watch` needs the other.
-        _actor_class = ray.remote(concurrency_groups={WATCH_GROUP: 2})(RayWorkerWrapper)  # type: ignore[call-overload]
-    return _actor_class
-
-
-# ------------------------------------------------------------------------------------------- the executor
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +197,7 @@ class RayExecutor(Executor):
             "max_restarts": 0,
             "max_task_retries": 0,
         }
-        actor_class = _ray_actor_class()
+        actor_class = ray_actor_class()
         handles: dict[tuple[int, int], Any] = {}
         for replica, pg in enumerate(self._placement_groups):
             for rank in range(self.world_size):
