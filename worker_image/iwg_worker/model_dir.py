@@ -1,6 +1,6 @@
 """What a Hugging Face model directory holds, read without loading the model: whether it is one at all (so
 `iwg serve` can say what is missing before it starts workers), and the limits the driver checks requests
-against (the vocabulary size)."""
+against (the vocabulary size, the context length)."""
 
 from __future__ import annotations
 
@@ -44,13 +44,23 @@ def read_config(path: Path) -> dict[str, Any] | None:
 
 
 def vocab_size(path: Path) -> int | None:
-    """The model's vocabulary size from its `config.json` (also under `text_config`), None when unknown."""
-    config = read_config(path)
+    """The model's vocabulary size from its `config.json`, None when unknown."""
+    return _config_int(read_config(path), "vocab_size")
+
+
+def context_length(path: Path) -> int | None:
+    """How many positions the model takes (prompt and generated tokens together), None when unknown."""
+    return _config_int(read_config(path), "max_position_embeddings", "n_positions", "n_ctx")
+
+
+def _config_int(config: dict[str, Any] | None, *keys: str) -> int | None:
+    """The first positive integer under one of `keys`, at the top of `config` or in its `text_config`."""
     if config is None:
         return None
     for section in (config, config.get("text_config")):
         if isinstance(section, dict):
-            size = section.get("vocab_size")
-            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-                return size
+            for key in keys:
+                value = section.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
     return None

@@ -347,3 +347,15 @@ async def test_a_drained_replica_that_left_serves_again_when_its_index_comes_bac
         pool.set_state(1, ReplicaState.DEAD)  # scaled down: its pods went
         pool.set_state(1, ReplicaState.SERVING)  # scaled up again: new pods joined
         assert driver.router.serving() == [0, 1]
+
+
+async def test_a_token_id_prompt_that_fills_the_models_context_is_a_400() -> None:
+    pool = FakePool(replicas=1)
+    async with serve(pool, task="generate", context_length=64) as (client, _driver):
+        resp = await client.post("/v1/completions", json={"model": "minilm", "prompt": [[1] * 10, [1] * 64]})
+        body = await resp.json()
+        ok = await client.post("/v1/completions", json={"model": "minilm", "prompt": [1] * 63})
+    assert resp.status == 400 and body["error"]["param"] == "prompt[1]", body
+    assert "64 tokens" in body["error"]["message"] and "64 positions" in body["error"]["message"], body
+    assert ok.status == 200
+    assert [len(b.inputs[0]) for b in pool.replicas[0].batches] == [63]

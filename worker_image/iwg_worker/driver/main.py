@@ -21,6 +21,7 @@ from pathlib import Path
 from iwg_operator.api import wiring
 
 from iwg_worker.driver.service import DriverConfig
+from iwg_worker.model_dir import context_length, vocab_size
 
 
 class ConfigError(ValueError):
@@ -61,8 +62,10 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
     if not served_name:
         raise ConfigError(f"environment variable {wiring.SERVED_NAME} (or {wiring.GROUP}) is required")
     max_batch_size = _int(env, wiring.MAX_BATCH_SIZE, 32, minimum=1)
+    model_dir = _model_dir(env.get(wiring.MODEL_PATH, ""))
     return DriverConfig(
-        vocab_size=_model_vocab_size(env.get(wiring.MODEL_PATH, "")),
+        vocab_size=vocab_size(model_dir) if model_dir else None,
+        context_length=context_length(model_dir) if model_dir else None,
         served_name=served_name,
         task=task,  # type: ignore[arg-type]  # checked above
         max_batch_size=max_batch_size,
@@ -71,17 +74,16 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
     )
 
 
-def _model_vocab_size(path: str) -> int | None:
-    """The vocabulary size of the model the workers serve, when the driver's pod mounts it too (a volume or
-    a `pkg:` path); token ids at or above it are refused per request instead of failing a worker's batch."""
+def _model_dir(path: str) -> Path | None:
+    """The model directory the workers serve, when the driver's pod mounts it too (a volume or a `pkg:`
+    path): its vocabulary and context length let token-id prompts be refused per request instead of failing
+    a worker's batch."""
     from iwg_operator.api.v1alpha1 import resolve_model_path
-
-    from iwg_worker.model_dir import vocab_size
 
     if not path:
         return None
     try:
-        return vocab_size(resolve_model_path(path))
+        return resolve_model_path(path)
     except ValueError:
         return None
 

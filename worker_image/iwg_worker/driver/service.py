@@ -69,6 +69,7 @@ class DriverConfig:
     max_inflight_per_replica: int = 2
     accepts_token_ids: bool = False
     vocab_size: int | None = None  # token ids must be below it (below 2**31 when the model's is unknown)
+    context_length: int | None = None  # a token-id prompt must leave room for one generated token
 
 
 class Driver:
@@ -371,6 +372,15 @@ class Driver:
                 f"'{param}' holds token id {max(ids)}, outside this model's vocabulary of {vocab} ids.",
                 param=param,
                 code="invalid_value",
+            )
+        context = self.config.context_length
+        if accepted and context is not None and len(ids) >= context:
+            raise ApiError(
+                400,
+                f"'{param}' has {len(ids)} tokens; this model's context holds {context} positions, prompt and "
+                "completion together.",
+                param=param,
+                code="input_too_long",
             )
         return tuple(ids)
 
