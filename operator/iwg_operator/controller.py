@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import zmq
@@ -35,9 +36,11 @@ from iwg_operator.kube import (
     GROUPS,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
+    POD_GROUPS,
     PODS,
     SECRETS,
     SERVICES,
+    WORKLOADS,
     ApiError,
     KubeApi,
     Resource,
@@ -48,6 +51,7 @@ log = logging.getLogger("iwg_operator.controller")
 
 GroupKey = tuple[str, str]  # (namespace, name)
 PodLookup = Callable[[GroupKey], Iterable[planning.ObservedPod]]
+PodGroupLookup = Callable[[GroupKey], Iterable[planning.ObservedPodGroup]]
 
 DEBOUNCE_SECONDS = 0.05
 EXPECTATION_SECONDS = 30.0
@@ -73,6 +77,9 @@ class GroupState:
     children_hash: str | None = None
     expected_present: dict[str, float] = field(default_factory=dict)  # pod name -> deadline
     expected_gone: dict[str, float] = field(default_factory=dict)  # pod uid -> deadline
+    # PodGroups this operator created / deleted that the index may not show yet
+    pod_groups_made: dict[str, float] = field(default_factory=dict)  # name -> deadline
+    pod_groups_gone: dict[str, float] = field(default_factory=dict)  # uid -> deadline
     trigger: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     backoff: float = 0.0
@@ -114,6 +121,7 @@ class Controller:
         self.settings = settings or builders.BuildSettings()
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
+        self._pod_groups: PodGroupLookup = lambda key: ()
         self._support_slots = asyncio.Semaphore(SUPPORT_CONCURRENCY)
         self._http: aiohttp.ClientSession | None = None
         self.scheduling_timeout = float(
@@ -124,6 +132,9 @@ class Controller:
 
     def bind_pod_index(self, lookup: PodLookup) -> None:
         self._pods = lookup
+
+    def bind_pod_group_index(self, lookup: PodGroupLookup) -> None:
+        self._pod_groups = lookup
 
     def observe_group(self, body: Mapping[str, Any]) -> bool:
         """Every watch event of a live group: keep its latest body. True when its generation has not been
@@ -260,8 +271,12 @@ class Controller:
             revision=builders.revision(group, self.settings),
             max_unavailable=group.spec.rollout.max_unavailable,
         )
+        gang_served = await self._gang_served() if group.spec.gang_enabled else False
         pods = self._observed_pods(state, desired)
-        plan = planning.plan_pods(desired, pods)
+        pod_groups = self._observed_pod_groups(state, desired.world_size)
+        replacing = planning.replacing_replicas(pod_groups) if gang_served else frozenset()
+        plan = planning.plan_pods(desired, pods, replacing)
+        gang_plan = planning.plan_gang(desired, gang_served, pod_groups, plan)
         failure: str | None = None
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
         await self._undrain_kept(state, group)
@@ -269,15 +284,25 @@ class Controller:
             try:
                 await self._ensure_secret(group, fresh)
                 await self._ensure_network_policy(group, fresh)
+                if gang_served:
+                    await self._ensure_workload(group, fresh)
             except ReconcileRefused as error:
                 # Pods would mount keys that are not the group's, or be reachable unfenced: create none.
                 failure = str(error)
-        if failure is None and not plan.empty:
+        if failure is None and not (plan.empty and gang_plan.empty):
             if not await self._drain_leaving(state, group, plan, done):
                 return 0.0  # the spec changed while the driver drained: plan again with the new one
-            failure = await self._apply_plan(state, group, plan, done)
+            failure = await self._apply_plan(state, group, plan, gang_plan, done)
             pods = self._observed_pods(state, desired)
-            plan = planning.plan_pods(desired, pods)
+            pod_groups = self._observed_pod_groups(state, desired.world_size)
+            replacing = planning.replacing_replicas(pod_groups) if gang_served else frozenset()
+            plan = planning.plan_pods(desired, pods, replacing)
+        if not gang_served and gang_plan.delete:
+            # Gang placement turned off: the Workload goes with the PodGroups (they wait for their pods).
+            await self.kube.delete(WORKLOADS, group.namespace, builders.workload_name(group.name))
+        gang = status.Gang(gang_served, tuple(pod_groups)) if group.spec.gang_enabled else None
+        if group.spec.gang_enabled and not gang_served:
+            done.append(("GangSchedulingUnavailable", status.GANG_NOT_SERVED))
 
         def current_status() -> status.Status:
             return status.group_status(
@@ -291,11 +316,15 @@ class Controller:
                 failure,
                 group.spec.scheduling.scheduler_name,
                 self.scheduling_timeout,
+                gang,
             )
 
         await self._write_status(state, current_status())
         for reason, message in done:
-            await self._event(state, "Normal", reason, message, once=False)
+            if reason == "GangSchedulingUnavailable":  # said once, not on every pass
+                await self._event(state, "Warning", reason, message)
+            else:
+                await self._event(state, "Normal", reason, message, once=False)
         if children_due and not failure:
             try:
                 async with self._support_slots:
@@ -326,22 +355,7 @@ class Controller:
 
     def _observed_pods(self, state: GroupState, desired: planning.Desired) -> list[planning.ObservedPod]:
         """The index's pods, corrected by what this operator just did and the watch has not shown yet."""
-        clock = time.monotonic()
-        indexed = list(self._pods(state.key))
-        by_name = {pod.name: pod for pod in indexed}
-        for name, deadline in list(state.expected_present.items()):
-            if name in by_name or deadline < clock:
-                del state.expected_present[name]
-        live_uids = {pod.uid for pod in indexed if not pod.terminating}
-        for uid, deadline in list(state.expected_gone.items()):
-            if uid not in live_uids or deadline < clock:
-                del state.expected_gone[uid]
-        result = [
-            planning.ObservedPod(**{**pod.__dict__, "terminating": True})
-            if pod.uid in state.expected_gone
-            else pod
-            for pod in indexed
-        ]
+        result = _expected(list(self._pods(state.key)), state.expected_present, state.expected_gone)
         for name in state.expected_present:
             replica, rank = _replica_rank(name)
             result.append(
@@ -351,13 +365,57 @@ class Controller:
             )
         return result
 
+    def _observed_pod_groups(self, state: GroupState, world_size: int) -> list[planning.ObservedPodGroup]:
+        """The index's PodGroups, corrected by what this operator just created or deleted."""
+        result = _expected(list(self._pod_groups(state.key)), state.pod_groups_made, state.pod_groups_gone)
+        for name in state.pod_groups_made:
+            replica = int(name.rsplit("-r", 1)[1])
+            result.append(
+                planning.ObservedPodGroup(
+                    name=name, group=state.key[1], replica=replica, min_count=world_size
+                )
+            )
+        return result
+
+    async def _gang_served(self) -> bool:
+        """Whether the cluster serves Workloads and PodGroups (discovery, asked once per operator)."""
+        return await self.kube.served(WORKLOADS) and await self.kube.served(POD_GROUPS)
+
+    async def retire_pod_group(self, state: GroupState, replica: int) -> None:
+        """Before a whole replica is replaced (health restart policy Replica): its PodGroup goes first, which
+        marks the replica as being replaced until its pods are gone (see planning), restarts included."""
+        group = state.group
+        if group is None:
+            return
+        for pod_group in self._observed_pod_groups(state, group.spec.world_size):
+            if pod_group.replica == replica and not pod_group.terminating:
+                await self._delete_pod_group(state, group, pod_group)
+
+    async def _delete_pod_group(
+        self, state: GroupState, group: builders.Group, pod_group: planning.ObservedPodGroup
+    ) -> None:
+        await self.kube.delete(POD_GROUPS, group.namespace, pod_group.name, pod_group.uid or None)
+        state.pod_groups_made.pop(pod_group.name, None)
+        if pod_group.uid:
+            state.pod_groups_gone[pod_group.uid] = time.monotonic() + EXPECTATION_SECONDS
+
     # ------------------------------------------------------------------ writes
 
     async def _apply_plan(
-        self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
+        self,
+        state: GroupState,
+        group: builders.Group,
+        plan: planning.PodPlan,
+        gang: planning.GangPlan,
+        done: list[tuple[str, str]],
     ) -> str | None:
-        """Delete and create pods; what was done is appended to `done` as (Event reason, message)."""
+        """Delete and create PodGroups and pods; what was done is appended to `done` as (Event reason, message).
+
+        Order: PodGroups of replicas that go (before their pods: a PodGroup being deleted marks its replica as
+        being replaced), pods, then new PodGroups before the pods that name them."""
         namespace = group.namespace
+        for pod_group in gang.delete:
+            await self._delete_pod_group(state, group, pod_group)
         deletions = await gather_limited(
             WRITE_CONCURRENCY, *(self.kube.delete(PODS, namespace, pod.name, pod.uid) for pod in plan.delete)
         )
@@ -372,7 +430,17 @@ class Controller:
             metrics.pod_replaced("rollout", sum(1 for p in plan.delete if p.replica in plan.replace))
             done.append(("ReplacingReplicas", f"replacing replicas {_ranges(plan.replace)}"))
 
-        created, failure = await self._create_pods(state, group, list(plan.create))
+        failure = await self._create_pod_groups(state, group, gang.create)
+        todo = [(replica, rank) for replica, rank in plan.create if replica not in gang.held]
+        if failure is not None:  # no pod without its PodGroup
+            made = {
+                g.replica
+                for g in self._observed_pod_groups(state, group.spec.world_size)
+                if not g.terminating
+            }
+            todo = [(replica, rank) for replica, rank in todo if replica in made]
+        created, pod_failure = await self._create_pods(state, group, todo, gang.active)
+        failure = failure or pod_failure
         if created:
             metrics.pod_created("reconcile", len(created))
             replicas = sorted({replica for replica, _ in created})
@@ -433,8 +501,27 @@ class Controller:
         except (DrainError, ApiError, aiohttp.ClientError, TimeoutError) as error:
             log.warning("%s/%s: replicas %s not undrained: %s", *state.key, _ranges(kept), error)
 
+    async def _create_pod_groups(
+        self, state: GroupState, group: builders.Group, replicas: Iterable[int]
+    ) -> str | None:
+        manifests = [builders.pod_group(group, replica) for replica in replicas]
+        results = await gather_limited(
+            WRITE_CONCURRENCY, *(self.kube.create(POD_GROUPS, group.namespace, m) for m in manifests)
+        )
+        deadline = time.monotonic() + EXPECTATION_SECONDS
+        for manifest, result in zip(manifests, results, strict=True):
+            name = manifest["metadata"]["name"]
+            if isinstance(result, ApiError) and result.status == 409:
+                continue  # it exists: the index will show it
+            if isinstance(result, ApiError) and result.refusal:
+                return f"PodGroup {name}: {result.message}"
+            if isinstance(result, BaseException):
+                raise result
+            state.pod_groups_made[name] = deadline
+        return None
+
     async def _create_pods(
-        self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]]
+        self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]], gang: bool = False
     ) -> tuple[list[tuple[int, int]], str | None]:
         """Create in slow-start waves: one replica's ranks (useless without each other), then twice as many
         each wave. A refused pod stops the rest without a storm of errors."""
@@ -447,7 +534,16 @@ class Controller:
                 e["node"] for e in current_avoided(state.current_status.get("avoidedNodes"), now_rfc3339())
             ]
             manifests = [
-                avoid_nodes(builders.worker_pod(group, replica, rank, self.settings), avoided)
+                avoid_nodes(
+                    builders.worker_pod(
+                        group,
+                        replica,
+                        rank,
+                        self.settings,
+                        builders.pod_group_name(group.name, replica) if gang else None,
+                    ),
+                    avoided,
+                )
                 for replica, rank in batch
             ]
             results = await gather_limited(
@@ -495,6 +591,25 @@ class Controller:
                 if error.refusal:
                     raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
                 raise
+
+    async def _ensure_workload(self, group: builders.Group, fresh: bool) -> None:
+        """The group's Workload; its pod-group templates are fixed after creation, so a different one (another
+        world size) is deleted and created again rather than patched."""
+        manifest = builders.workload(group)
+        name = manifest["metadata"]["name"]
+        try:
+            current = None if fresh else await self.kube.get(WORKLOADS, group.namespace, name)
+            if current is not None:
+                _check_owner(current, group, "Workload")
+                have = (current.get("metadata", {}).get("annotations") or {}).get(labels.SPEC_HASH)
+                if have == manifest["metadata"]["annotations"][labels.SPEC_HASH]:
+                    return
+                await self.kube.delete(WORKLOADS, group.namespace, name, current["metadata"].get("uid"))
+            await self.kube.create(WORKLOADS, group.namespace, manifest)
+        except ApiError as error:
+            if error.refusal and error.status != 409:
+                raise _refused("Workload", name, error) from error
+            raise
 
     async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
         name = secret_name(group.name)
@@ -617,6 +732,25 @@ def _key(body: Mapping[str, Any]) -> GroupKey:
 
 def _generation(body: Mapping[str, Any]) -> int:
     return int(body.get("metadata", {}).get("generation") or 1)
+
+
+Observed = TypeVar("Observed", planning.ObservedPod, planning.ObservedPodGroup)
+
+
+def _expected(indexed: list[Observed], present: dict[str, float], gone: dict[str, float]) -> list[Observed]:
+    """Objects of an index, corrected by this operator's recent writes the watch has not shown yet: `present`
+    (name -> deadline) and `gone` (uid -> deadline) drop what the index shows or what expired, and what is
+    expected gone counts as terminating."""
+    clock = time.monotonic()
+    names = {item.name for item in indexed}
+    for name, deadline in list(present.items()):
+        if name in names or deadline < clock:
+            del present[name]
+    live_uids = {item.uid for item in indexed if not item.terminating}
+    for uid, deadline in list(gone.items()):
+        if uid not in live_uids or deadline < clock:
+            del gone[uid]
+    return [dataclasses.replace(item, terminating=True) if item.uid in gone else item for item in indexed]
 
 
 def _replica_rank(pod_name: str) -> tuple[int, int]:

@@ -14,11 +14,14 @@ import kopf
 from iwg_operator import labels, runtime
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import Controller, GroupKey, group_from_body
-from iwg_operator.planning import ObservedPod, observe_pod
+from iwg_operator.kube import POD_GROUPS
+from iwg_operator.planning import ObservedPod, ObservedPodGroup, observe_pod, observe_pod_group
 from iwg_operator.supervisor import Supervisor
 
 GROUP_RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
+POD_GROUP_RESOURCE = (POD_GROUPS.group, POD_GROUPS.version, POD_GROUPS.plural)
+GANGS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_GANG}
 
 
 def _controller(memo: kopf.Memo) -> Controller:
@@ -31,11 +34,19 @@ def _supervisor(memo: kopf.Memo) -> Supervisor:
     return supervisor
 
 
-def _bind(controller: Controller, worker_pods: kopf.Index[GroupKey, ObservedPod]) -> None:
-    def lookup(key: GroupKey) -> Iterable[ObservedPod]:
+def _bind(controller: Controller, indices: Mapping[str, Any]) -> None:
+    """Kopf passes indices by their function's name to every handler."""
+    worker_pods: kopf.Index[GroupKey, ObservedPod] = indices["worker_pods"]
+    gangs: kopf.Index[GroupKey, ObservedPodGroup] = indices["pod_groups"]
+
+    def pods(key: GroupKey) -> Iterable[ObservedPod]:
         return list(worker_pods.get(key, ()))
 
-    controller.bind_pod_index(lookup)
+    def pod_groups(key: GroupKey) -> Iterable[ObservedPodGroup]:
+        return list(gangs.get(key, ()))
+
+    controller.bind_pod_index(pods)
+    controller.bind_pod_group_index(pod_groups)
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,7 +96,26 @@ async def worker_pod_event(
     **kwargs: Any,
 ) -> None:
     controller = _controller(memo)
-    _bind(controller, kwargs["worker_pods"])  # Kopf passes indices by their function's name
+    _bind(controller, kwargs)
+    controller.pods_changed(
+        (str(namespace), str(body.get("metadata", {}).get("labels", {}).get(labels.GROUP)))
+    )
+
+
+# Gang placement: the replicas' PodGroups. Where the cluster does not serve them, Kopf resolves no resource
+# for these two and watches nothing (it logs that once at startup).
+@kopf.index(*POD_GROUP_RESOURCE, labels=GANGS)
+async def pod_groups(
+    body: kopf.Body, namespace: str | None, **_: Any
+) -> dict[GroupKey, ObservedPodGroup] | None:
+    pod_group = observe_pod_group(body)
+    return None if pod_group is None else {(str(namespace), pod_group.group): pod_group}
+
+
+@kopf.on.event(*POD_GROUP_RESOURCE, labels=GANGS)
+async def pod_group_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+    controller = _controller(memo)
+    _bind(controller, kwargs)
     controller.pods_changed(
         (str(namespace), str(body.get("metadata", {}).get("labels", {}).get(labels.GROUP)))
     )
@@ -96,7 +126,7 @@ async def group_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwar
     """Every event of a group, the initial listing's included (the operator's resume). A spec is validated
     once per generation; Kopf keeps no state on the object (no annotation patches, no finalizer)."""
     controller, supervisor = _controller(memo), _supervisor(memo)
-    _bind(controller, kwargs["worker_pods"])
+    _bind(controller, kwargs)
     key = _group_key(body)
     if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
         controller.forget(key)

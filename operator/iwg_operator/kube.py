@@ -64,6 +64,8 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 POD_DISRUPTION_BUDGETS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 GROUPS = Resource(api.GROUP, api.VERSION, api.PLURAL, api.KIND)
+WORKLOADS = Resource("scheduling.k8s.io", "v1beta1", "workloads", "Workload")
+POD_GROUPS = Resource("scheduling.k8s.io", "v1beta1", "podgroups", "PodGroup")
 
 # Every resource the reconciler touches, with its verbs: the Helm chart's RBAC is built from this list
 # (plus Kopf's own needs: watch/list/patch on groups, watch/list on pods, create events, list CRDs).
@@ -77,6 +79,10 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     NETWORK_POLICIES: ("get", "create", "patch"),
     POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
     GROUPS: ("patch",),  # the status and scale subresources (the autoscaler sets replicas through scale)
+    # Gang placement, where the cluster serves it: a Workload per group (replaced when the world size changes:
+    # its templates are fixed), a PodGroup per replica (read from a Kopf index, never fetched one by one).
+    WORKLOADS: ("get", "create", "delete"),
+    POD_GROUPS: ("create", "delete"),
 }
 
 
@@ -84,8 +90,8 @@ class Priority(IntEnum):
     """Which requests go first when more wait than may be in flight (lower first).
 
     Pods are the critical path of a group (scheduling, image pull, model load). What must exist before a pod
-    goes first: the Secret it mounts and the NetworkPolicy that fences it (a pod is never reachable from the
-    cluster before its policy exists). The status (what users and tools watch) follows the pods, and Events
+    goes first: the Secret it mounts, the NetworkPolicy that fences it (a pod is never reachable from the
+    cluster before its policy exists) and, with gang placement, its Workload and PodGroup. The status (what users and tools watch) follows the pods, and Events
     and the objects no pod needs to start (driver, Services, PDB, ConfigMap) come last.
     """
 
@@ -98,6 +104,8 @@ class Priority(IntEnum):
 PRIORITIES: dict[Resource, Priority] = {
     SECRETS: Priority.BEFORE_PODS,
     NETWORK_POLICIES: Priority.BEFORE_PODS,
+    WORKLOADS: Priority.BEFORE_PODS,
+    POD_GROUPS: Priority.BEFORE_PODS,
     PODS: Priority.PODS,
     GROUPS: Priority.STATUS,
 }
@@ -223,6 +231,7 @@ class KubeApi:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._discovered: dict[str, asyncio.Future[frozenset[str]]] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -265,6 +274,33 @@ class KubeApi:
                     raise api_error(response.status, text)
                 result: dict[str, Any] = json.loads(text) if text else {}
                 return result
+
+    async def served(self, resource: Resource) -> bool:
+        """Whether the API server serves the resource; discovery of its group version is asked once and
+        cached for the life of the client (a 404 means not served: an older cluster or a feature gate off)."""
+        key = resource.api_version
+        lookup = self._discovered.get(key)
+        if lookup is None:
+            lookup = self._discovered[key] = asyncio.ensure_future(self._discover(resource))
+        try:
+            plurals = await asyncio.shield(lookup)
+        except Exception:
+            if self._discovered.get(key) is lookup:
+                del self._discovered[key]  # a failed lookup (not a 404) is asked again next time
+            raise
+        return resource.plural in plurals
+
+    async def _discover(self, resource: Resource) -> frozenset[str]:
+        path = f"/apis/{resource.api_version}" if resource.group else f"/api/{resource.version}"
+        async with self._client().get(path) as response:
+            self.requests.add("discover", resource.api_version, response.status)
+            text = await response.text()
+            if response.status == 404:
+                return frozenset()
+            if response.status >= 400:
+                raise api_error(response.status, text)
+            found = json.loads(text).get("resources") or []
+            return frozenset(str(r.get("name")) for r in found if isinstance(r, dict))
 
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         try:

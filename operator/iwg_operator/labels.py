@@ -28,6 +28,7 @@ APP_NAME: Final = "iwg"
 MANAGER: Final = "iwg-operator"
 COMPONENT_WORKER: Final = "worker"
 COMPONENT_DRIVER: Final = "driver"
+COMPONENT_GANG: Final = "gang"  # the PodGroups (one per replica) of gang placement
 
 # Labels of the operator's own pods (the Helm chart sets them); the NetworkPolicy admits these.
 OPERATOR_POD_LABELS: Final = {NAME: "iwg-operator"}
@@ -46,6 +47,10 @@ def group_labels(group: str, component: str) -> dict[str, str]:
 
 def worker_selector(group: str) -> dict[str, str]:
     return {GROUP: group, COMPONENT: COMPONENT_WORKER}
+
+
+def gang_selector(group: str) -> dict[str, str]:
+    return {GROUP: group, COMPONENT: COMPONENT_GANG}
 
 
 def driver_selector(group: str) -> dict[str, str]:

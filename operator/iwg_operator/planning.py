@@ -5,6 +5,11 @@ env, world size, ...) is replaced as a whole, at most `maxUnavailable` available
 outdated replica that is not serving anyway is replaced at once); missing ranks of a current replica are created;
 a name still held by a terminating pod is not reused until that pod is gone; a pod that ended (Failed,
 Succeeded) is deleted so that it is recreated.
+
+Gang placement adds one PodGroup per replica (`plan_gang`): it is created before the replica's pods and
+deleted before them (scale down, rollout, Replica restart). A PodGroup being deleted marks its replica as
+being replaced, which survives an operator restart: the replica's remaining pods go, and nothing is created
+for it until the PodGroup is gone.
 """
 
 from __future__ import annotations
@@ -77,6 +82,47 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
 
 
 @dataclass(frozen=True)
+class ObservedPodGroup:
+    """What the operator needs to know about one replica's PodGroup (kept in the PodGroup index)."""
+
+    name: str
+    group: str
+    replica: int
+    min_count: int
+    uid: str = ""
+    terminating: bool = False
+    scheduled: bool | None = None  # PodGroupInitiallyScheduled: True, False, or not set yet
+    message: str | None = None  # the scheduler's message on that condition
+
+
+PODGROUP_SCHEDULED = "PodGroupInitiallyScheduled"
+
+
+def observe_pod_group(body: Mapping[str, Any]) -> ObservedPodGroup | None:
+    """Summarise a PodGroup body; None when it is not a replica's PodGroup of a group."""
+    metadata = body.get("metadata", {})
+    pod_labels = metadata.get("labels") or {}
+    try:
+        group = pod_labels[labels.GROUP]
+        replica = int(pod_labels[labels.REPLICA])
+    except (KeyError, ValueError):
+        return None
+    gang = ((body.get("spec") or {}).get("schedulingPolicy") or {}).get("gang") or {}
+    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    scheduled = conditions.get(PODGROUP_SCHEDULED)
+    return ObservedPodGroup(
+        name=str(metadata.get("name")),
+        group=group,
+        replica=replica,
+        min_count=int(gang.get("minCount") or 0),
+        uid=str(metadata.get("uid") or ""),
+        terminating=metadata.get("deletionTimestamp") is not None,
+        scheduled=None if scheduled is None else scheduled.get("status") == "True",
+        message=None if scheduled is None else str(scheduled.get("message") or "") or None,
+    )
+
+
+@dataclass(frozen=True)
 class Desired:
     replicas: int
     world_size: int
@@ -142,7 +188,10 @@ def replica_views(desired: Desired, pods: Iterable[ObservedPod]) -> dict[int, Re
     }
 
 
-def plan_pods(desired: Desired, pods: Iterable[ObservedPod]) -> PodPlan:
+def plan_pods(
+    desired: Desired, pods: Iterable[ObservedPod], replacing: frozenset[int] = frozenset()
+) -> PodPlan:
+    """`replacing`: replicas whose PodGroup is being deleted; their pods go and none is created for them."""
     views = replica_views(desired, pods)
     delete: list[ObservedPod] = []
     scale_down: list[int] = []
@@ -163,6 +212,11 @@ def plan_pods(desired: Desired, pods: Iterable[ObservedPod]) -> PodPlan:
     unavailable = sum(1 for view in kept if not view.serving)
     budget = desired.max_unavailable - unavailable
     for view in sorted(kept, key=lambda v: -v.index):
+        if view.index in replacing:
+            if view.live:
+                replace.append(view.index)
+                delete.extend(sorted(view.live, key=lambda p: -p.rank))
+            continue
         if not view.outdated:
             continue
         if view.serving:
@@ -173,7 +227,7 @@ def plan_pods(desired: Desired, pods: Iterable[ObservedPod]) -> PodPlan:
         delete.extend(sorted(view.live, key=lambda p: -p.rank))
 
     for view in kept:
-        if view.outdated:
+        if view.outdated or view.index in replacing:
             continue
         create.extend((view.index, rank) for rank in view.missing_ranks)
 
@@ -184,4 +238,57 @@ def plan_pods(desired: Desired, pods: Iterable[ObservedPod]) -> PodPlan:
         scale_down=tuple(scale_down),
         replace=tuple(sorted(replace, reverse=True)),
         waiting_for_termination=waiting,
+    )
+
+
+@dataclass(frozen=True)
+class GangPlan:
+    active: bool  # gang placement on and served: every pod created names its replica's PodGroup
+    delete: tuple[ObservedPodGroup, ...]  # PodGroups to delete, before any pod of theirs
+    create: tuple[int, ...]  # replicas whose PodGroup is created, before their pods
+    held: frozenset[int]  # replicas that get no pod in this pass (their PodGroup is going)
+
+    @property
+    def empty(self) -> bool:
+        return not self.delete and not self.create
+
+
+def replacing_replicas(pod_groups: Iterable[ObservedPodGroup]) -> frozenset[int]:
+    """Replicas whose PodGroup is being deleted: they are being replaced (see plan_pods)."""
+    return frozenset(g.replica for g in pod_groups if g.terminating)
+
+
+def plan_gang(
+    desired: Desired, gang: bool, pod_groups: Iterable[ObservedPodGroup], plan: PodPlan
+) -> GangPlan:
+    """PodGroups to delete and create so that each replica that gets pods has exactly one current PodGroup.
+
+    Deleted: all of them when gang placement is off; those of replicas at or above `replicas`, of replicas
+    being replaced, and those whose minCount is not the world size. Created: for replicas that get pods and
+    have none. Held: replicas whose PodGroup is still there but going (its pods wait for the new one).
+    """
+    by_replica: dict[int, ObservedPodGroup] = {}
+    for pod_group in pod_groups:
+        if pod_group.replica not in by_replica or by_replica[pod_group.replica].terminating:
+            by_replica[pod_group.replica] = pod_group
+    replaced = set(plan.replace) | set(plan.scale_down)
+    delete = [
+        g
+        for g in by_replica.values()
+        if not g.terminating
+        and (
+            not gang
+            or g.replica >= desired.replicas
+            or g.replica in replaced
+            or g.min_count != desired.world_size
+        )
+    ]
+    going = {g.replica for g in delete} | {g.replica for g in by_replica.values() if g.terminating}
+    wanted = sorted({replica for replica, _ in plan.create}) if gang else []
+    create = [r for r in wanted if r not in by_replica]
+    return GangPlan(
+        active=gang,
+        delete=tuple(sorted(delete, key=lambda g: -g.replica)),
+        create=tuple(create),
+        held=frozenset(going if gang else ()),
     )

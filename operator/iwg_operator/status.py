@@ -7,11 +7,12 @@ an identical status and the operator writes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from iwg_operator import labels
-from iwg_operator.planning import Desired, ObservedPod, PodPlan, replica_views
+from iwg_operator.planning import Desired, ObservedPod, ObservedPodGroup, PodPlan, ReplicaView, replica_views
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -19,6 +20,12 @@ DEGRADED = "Degraded"
 UNSCHEDULABLE = "Unschedulable"
 SPEC_INVALID = "SpecInvalid"
 RECONCILE_FAILED = "ReconcileFailed"
+GANG_SCHEDULING = "GangScheduling"
+
+GANG_NOT_SERVED = (
+    "the cluster does not serve workloads and podgroups (scheduling.k8s.io/v1beta1: Kubernetes >= 1.37 with "
+    "the GenericWorkload feature gate and that API enabled); pods are placed one by one"
+)
 
 Status = dict[str, Any]
 
@@ -48,6 +55,23 @@ def scheduling_recheck(pods: Iterable[ObservedPod], now: str, timeout: float) ->
     waits = [timeout - _age(p, now) for p in unbound(pods) if not p.seen_by_scheduler]
     pending = [wait for wait in waits if wait > 0]
     return min(pending) if pending else None
+
+
+@dataclass(frozen=True)
+class Gang:
+    """Gang placement as the status reports it: whether the cluster serves it, and the replicas' PodGroups."""
+
+    served: bool
+    pod_groups: tuple[ObservedPodGroup, ...] = ()
+
+    def replica(self, view: ReplicaView) -> tuple[str, str | None]:
+        """("Placed" | "Waiting", the scheduler's message) of one replica with pods."""
+        pod_group = next((g for g in self.pod_groups if g.replica == view.index and not g.terminating), None)
+        bound = len(view.live) >= view.world_size and all(p.node for p in view.live)
+        if bound or (pod_group is not None and pod_group.scheduled):
+            return "Placed", None
+        message = pod_group.message if pod_group is not None else None
+        return "Waiting", message or next((p.unschedulable for p in view.live if p.unschedulable), None)
 
 
 def condition(
@@ -89,9 +113,11 @@ def group_status(
     failure: str | None = None,
     scheduler_name: str | None = None,
     scheduling_timeout: float = DEFAULT_SCHEDULING_TIMEOUT_SECONDS,
+    gang: Gang | None = None,
 ) -> Status:
     """The status the group should show. `failure` is an error from applying the plan (API refusal);
-    `scheduler_name` is spec.scheduling.schedulerName, named when no scheduler picks the pods up."""
+    `scheduler_name` is spec.scheduling.schedulerName, named when no scheduler picks the pods up; `gang` is
+    None when the spec asks for no gang placement."""
     pods = list(pods)
     views = replica_views(desired, pods)
     kept = [views[i] for i in range(desired.replicas)]
@@ -184,8 +210,11 @@ def group_status(
         )
     if SPEC_INVALID in before:
         conditions.append(condition(SPEC_INVALID, False, "Valid", "spec is valid", generation, before, now))
+    placement = {v.index: gang.replica(v) for v in existing} if gang is not None and gang.served else {}
+    if gang is not None:
+        conditions.append(_gang_condition(gang, placement, generation, before, now))
     # Conditions written by others (the health prober, the autoscaler) are kept as they are.
-    owned = {c["type"] for c in conditions} | {SPEC_INVALID, RECONCILE_FAILED}
+    owned = {c["type"] for c in conditions} | {SPEC_INVALID, RECONCILE_FAILED, GANG_SCHEDULING}
     conditions.extend(dict(c) for kind, c in before.items() if kind not in owned)
 
     return {
@@ -205,6 +234,7 @@ def group_status(
                 "ready": v.available,
                 "revision": _replica_revision(v.live),
                 "nodes": sorted({p.node for p in v.live if p.node}),
+                **_gang_fields(placement.get(v.index)),
             }
             for v in existing
         ],
@@ -236,6 +266,39 @@ def _scheduling(
     if waiting:
         return "Scheduling", f"{len(waiting)} pod(s) waiting to be bound to a node"
     return "Scheduled", "all pods bound to nodes"
+
+
+def _gang_fields(placement: tuple[str, str | None] | None) -> dict[str, str]:
+    if placement is None:
+        return {}
+    state, message = placement
+    return {"gang": state, "gangMessage": message} if message else {"gang": state}
+
+
+def _gang_condition(
+    gang: Gang,
+    placement: Mapping[int, tuple[str, str | None]],
+    generation: int,
+    before: Mapping[str, Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    if not gang.served:
+        return condition(GANG_SCHEDULING, False, "ApiNotServed", GANG_NOT_SERVED, generation, before, now)
+    waiting = {index: message for index, (state, message) in placement.items() if state == "Waiting"}
+    if not waiting:
+        return condition(
+            GANG_SCHEDULING,
+            True,
+            "Placed",
+            f"{len(placement)} replica(s) placed whole",
+            generation,
+            before,
+            now,
+        )
+    message = "; ".join(
+        f"replica {index}: {text or 'waiting for the scheduler'}" for index, text in sorted(waiting.items())
+    )
+    return condition(GANG_SCHEDULING, True, "Waiting", message, generation, before, now)
 
 
 def invalid_spec_status(

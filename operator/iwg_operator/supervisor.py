@@ -117,6 +117,9 @@ class Supervisor:
                     f"replacements avoid {node}",
                     once=False,
                 )
+            if spec.health.restart_policy == "Replica":
+                # Under gang placement the replica's PodGroup goes first and comes back with its new pods.
+                await self.controller.retire_pod_group(state, replacement.failed_pod.replica)
             for pod in replacement.pods:
                 await self.controller.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
             metrics.pod_replaced(

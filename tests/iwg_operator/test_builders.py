@@ -285,3 +285,47 @@ def test_refusals_of_a_worker_pod_name_the_groups_fields() -> None:
     assert "spec.worker.memory" in named and "spec.worker.image" in named
     assert "spec.scheduling.nodeSelector" in named
     assert "spec.containers[0].env[3].name" in named  # the operator's own fields keep the pod's names
+
+
+def test_gang_defaults_on_for_more_than_one_rank_and_follows_the_spec() -> None:
+    assert not group(worldSize=1).spec.gang_enabled
+    assert group(worldSize=2).spec.gang_enabled
+    assert not group(worldSize=4, scheduling={"gang": False}).spec.gang_enabled
+    assert group(worldSize=1, scheduling={"gang": True}).spec.gang_enabled
+    # Turning it on or off reshapes the pods (they name a PodGroup or not): a rollout.
+    assert builders.revision(group(worldSize=2), SETTINGS) != builders.revision(
+        group(worldSize=2, scheduling={"gang": False}), SETTINGS
+    )
+
+
+def test_workload_and_podgroup_follow_the_v1beta1_fields_and_are_owned_by_the_group() -> None:
+    g = group(replicas=2, worldSize=4)
+    workload = builders.workload(g)
+    assert workload["apiVersion"] == "scheduling.k8s.io/v1beta1" and workload["kind"] == "Workload"
+    assert workload["metadata"]["name"] == "g"
+    assert workload["spec"]["podGroupTemplates"] == [
+        {"name": "workers", "schedulingPolicy": {"gang": {"minCount": 4}}}
+    ]
+    assert workload["spec"]["controllerRef"] == {
+        "apiGroup": api.GROUP,
+        "kind": api.KIND,
+        "name": "g",
+    }
+    pod_group = builders.pod_group(g, 1)
+    assert pod_group["kind"] == "PodGroup" and pod_group["metadata"]["name"] == "g-r1"
+    assert pod_group["metadata"]["labels"][labels.REPLICA] == "1"
+    assert pod_group["metadata"]["labels"][labels.COMPONENT] == labels.COMPONENT_GANG
+    assert pod_group["spec"] == {
+        "workloadRef": {"workloadName": "g", "templateName": "workers"},
+        "schedulingPolicy": {"gang": {"minCount": 4}},
+    }
+    for manifest in (workload, pod_group):
+        owner = manifest["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == "uid-1" and owner["controller"] is True
+
+
+def test_a_gang_pod_names_its_podgroup_and_others_do_not() -> None:
+    g = group(replicas=2, worldSize=2)
+    pod = builders.worker_pod(g, 1, 0, SETTINGS, builders.pod_group_name("g", 1))
+    assert pod["spec"]["schedulingGroup"] == {"podGroupName": "g-r1"}
+    assert "schedulingGroup" not in builders.worker_pod(g, 1, 0, SETTINGS)["spec"]

@@ -18,15 +18,21 @@ from iwg_operator.controller import (
     group_from_body,
 )
 from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, api_error
-from iwg_operator.planning import ObservedPod, observe_pod
+from iwg_operator.planning import ObservedPod, ObservedPodGroup, observe_pod, observe_pod_group
 
 
 class RecordingKube:
     """Keeps objects in a dict; records every call as (verb, resource plural, name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gang_served: bool = False) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str]] = []
+        self.gang_served = gang_served  # whether discovery finds workloads and podgroups
+        self.discoveries = 0
+
+    async def served(self, resource: Resource) -> bool:
+        self.discoveries += 1  # the real client asks the server once and caches: not a call here
+        return self.gang_served
 
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", resource.plural, name))
@@ -37,8 +43,10 @@ class RecordingKube:
         self.calls.append(("create", resource.plural, name))
         if (resource.plural, name) in self.objects:
             raise ApiError(409, "AlreadyExists", f"{name} exists")
-        self.objects[(resource.plural, name)] = copy.deepcopy(body)
-        return body
+        made = copy.deepcopy(body)
+        made["metadata"].setdefault("uid", f"uid-{len(self.calls)}")  # as the server sets it
+        self.objects[(resource.plural, name)] = made
+        return copy.deepcopy(made)
 
     async def apply(
         self, resource: Resource, namespace: str, name: str, body: dict[str, Any]
@@ -62,6 +70,10 @@ class RecordingKube:
 
     def writes(self) -> list[tuple[str, str, str]]:
         return [c for c in self.calls if c[0] != "get"]
+
+    def pod_groups(self) -> list[ObservedPodGroup]:
+        found = (observe_pod_group(b) for (plural, _), b in self.objects.items() if plural == "podgroups")
+        return [g for g in found if g is not None]
 
     def pods(self) -> list[ObservedPod]:
         result = []
@@ -94,6 +106,7 @@ async def settled(ctl: Controller) -> None:
 def controller(kube: RecordingKube) -> Controller:
     made = Controller(kube, builders.BuildSettings())  # type: ignore[arg-type]
     made.bind_pod_index(lambda key: kube.pods())
+    made.bind_pod_group_index(lambda key: kube.pod_groups())
     return made
 
 
@@ -323,3 +336,132 @@ def test_api_errors_keep_the_causes_the_server_gives() -> None:
     assert rbac.refusal and not rbac.namespace_terminating
     assert not api_error(429, "slow down").refusal
     assert api_error(422, '{"details":{"causes":"not a list"}}').causes == ()
+
+
+# ---------------------------------------------------------------------------------------------- gang placement
+
+
+def _order(kube: RecordingKube, *plurals: str) -> list[tuple[str, str, str]]:
+    return [c for c in kube.calls if c[1] in plurals and c[0] != "get"]
+
+
+async def gang_group(served: bool = True, **spec: Any) -> tuple[RecordingKube, Controller, GroupState]:
+    """A group after its first pass against a cluster that serves gang placement (or not)."""
+    kube = RecordingKube(gang_served=served)
+    ctl = controller(kube)
+    group_body = body(**spec)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    await ctl.reconcile(state)
+    return kube, ctl, state
+
+
+def respec(state: GroupState, **spec: Any) -> None:
+    """The group's next generation with `spec` merged in."""
+    changed = {**state.body, "metadata": {**state.body["metadata"], "generation": state.generation + 1}}
+    changed["spec"] = {**state.body["spec"], **spec}
+    state.body, state.group = changed, group_from_body(changed)
+
+
+async def test_gang_creates_the_workload_then_each_replicas_podgroup_before_its_pods() -> None:
+    kube, ctl, state = await gang_group(replicas=2, worldSize=3)
+    calls = _order(kube, "workloads", "podgroups", "pods")
+    assert calls[0] == ("create", "workloads", "g")
+    first_pod = next(i for i, c in enumerate(calls) if c[1] == "pods")
+    assert {c for c in calls[:first_pod] if c[1] == "podgroups"} == {
+        ("create", "podgroups", "g-r0"),
+        ("create", "podgroups", "g-r1"),
+    }
+    for (plural, name), manifest in kube.objects.items():
+        if plural == "pods":
+            replica = name.split("-r")[1].split("-w")[0]
+            assert manifest["spec"]["schedulingGroup"] == {"podGroupName": f"g-r{replica}"}
+    workload = kube.objects[("workloads", "g")]
+    assert workload["spec"]["podGroupTemplates"] == [
+        {"name": "workers", "schedulingPolicy": {"gang": {"minCount": 3}}}
+    ]
+    condition = {c["type"]: c for c in state.current_status["conditions"]}["GangScheduling"]
+    assert condition["status"] == "True"
+
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    assert not _order(kube, "workloads", "podgroups", "pods"), "a settled gang group writes nothing"
+
+
+async def test_gang_scale_down_deletes_podgroups_before_their_pods() -> None:
+    kube, ctl, state = await gang_group(replicas=3, worldSize=2)
+    respec(state, replicas=1)
+    kube.calls.clear()
+
+    await ctl.reconcile(state)
+    calls = _order(kube, "podgroups", "pods")
+    deleted_groups = [i for i, c in enumerate(calls) if c[:2] == ("delete", "podgroups")]
+    deleted_pods = [i for i, c in enumerate(calls) if c[:2] == ("delete", "pods")]
+    assert {calls[i][2] for i in deleted_groups} == {"g-r1", "g-r2"}
+    assert len(deleted_pods) == 4 and max(deleted_groups) < min(deleted_pods)
+    assert {name for plural, name in kube.objects if plural == "podgroups"} == {"g-r0"}
+
+
+async def test_a_podgroup_being_deleted_replaces_its_replica_and_holds_it_until_gone() -> None:
+    kube, ctl, state = await gang_group(replicas=2, worldSize=2)
+    # Replica 1's PodGroup is Terminating (its finalizer waits for the pods), e.g. after a Replica restart or
+    # an operator killed between deleting it and deleting the pods: its pods go, none is created.
+    kube.objects[("podgroups", "g-r1")]["metadata"]["deletionTimestamp"] = "2026-12-03T10:00:00Z"
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert {c for c in kube.calls if c[1] == "pods"} == {
+        ("delete", "pods", "g-r1-w0"),
+        ("delete", "pods", "g-r1-w1"),
+    }
+    assert not any(c[0] == "create" and c[1] != "events" for c in kube.calls)
+
+    # The PodGroup goes once its pods are gone; then a new one, and then the pods naming it.
+    del kube.objects[("podgroups", "g-r1")]
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    calls = _order(kube, "podgroups", "pods")
+    assert calls[0] == ("create", "podgroups", "g-r1")
+    assert sorted(calls[1:]) == [("create", "pods", "g-r1-w0"), ("create", "pods", "g-r1-w1")]
+
+
+async def test_retire_pod_group_deletes_only_that_replicas_podgroup() -> None:
+    kube, ctl, state = await gang_group(replicas=2, worldSize=2)
+    kube.calls.clear()
+    await ctl.retire_pod_group(state, 1)
+    assert kube.calls == [("delete", "podgroups", "g-r1")]
+
+
+async def test_a_world_size_change_replaces_the_workload() -> None:
+    kube, ctl, state = await gang_group(replicas=1, worldSize=2)
+    respec(state, worldSize=4)
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert _order(kube, "workloads")[:2] == [("delete", "workloads", "g"), ("create", "workloads", "g")]
+    assert kube.objects[("workloads", "g")]["spec"]["podGroupTemplates"][0]["schedulingPolicy"] == {
+        "gang": {"minCount": 4}
+    }
+
+
+async def test_gang_turned_off_deletes_podgroups_and_the_workload() -> None:
+    kube, ctl, state = await gang_group(replicas=2, worldSize=2)
+    respec(state, scheduling={"gang": False})
+    for _ in range(6):  # the rollout replaces one replica at a time
+        await ctl.reconcile(state)
+    assert not [key for key in kube.objects if key[0] in ("podgroups", "workloads")]
+    new_pods = [b for (plural, _), b in kube.objects.items() if plural == "pods"]
+    assert new_pods and not any("schedulingGroup" in b["spec"] for b in new_pods)
+    assert "GangScheduling" not in {c["type"] for c in state.current_status["conditions"]}
+
+
+async def test_where_the_api_is_not_served_pods_are_placed_one_by_one_and_it_is_said_once() -> None:
+    kube, ctl, state = await gang_group(served=False, replicas=2, worldSize=2)
+    for _ in range(2):
+        await ctl.reconcile(state)
+    assert not [c for c in kube.calls if c[1] in ("workloads", "podgroups")]
+    pods = [b for (plural, _), b in kube.objects.items() if plural == "pods"]
+    assert len(pods) == 4 and not any("schedulingGroup" in b["spec"] for b in pods)
+    condition = {c["type"]: c for c in state.current_status["conditions"]}["GangScheduling"]
+    assert condition["status"] == "False" and condition["reason"] == "ApiNotServed"
+    events = [b for (plural, _), b in kube.objects.items() if plural == "events"]
+    assert [e["reason"] for e in events].count("GangSchedulingUnavailable") == 1
+    assert state.current_status["phase"] == "Running"

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from iwg_operator import status
-from iwg_operator.planning import Desired, ObservedPod, observe_pod, plan_pods
+from iwg_operator import labels, status
+from iwg_operator.planning import (
+    Desired,
+    ObservedPod,
+    ObservedPodGroup,
+    observe_pod,
+    observe_pod_group,
+    plan_gang,
+    plan_pods,
+    replacing_replicas,
+)
 
 REV = "r1"
 
@@ -150,3 +159,106 @@ def test_status_calls_pods_placed_only_when_bound_and_reports_those_no_scheduler
     assert {c["type"]: c for c in result["conditions"]}["Unschedulable"][
         "message"
     ] == "all pods bound to nodes"
+
+
+# ---------------------------------------------------------------------------------------------- gang placement
+
+
+def gang(replica: int, min_count: int = 2, terminating: bool = False, **extra: object) -> ObservedPodGroup:
+    return ObservedPodGroup(
+        name=f"g-r{replica}", group="g", replica=replica, min_count=min_count, uid=f"pg{replica}",
+        terminating=terminating, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_gang_podgroups_come_with_the_replicas_that_get_pods() -> None:
+    desired = Desired(2, 2, REV, 1)
+    plan = plan_pods(desired, [])
+    made = plan_gang(desired, True, [], plan)
+    assert made.create == (0, 1) and made.delete == () and made.held == frozenset()
+    assert plan_gang(desired, True, [gang(0), gang(1)], plan_pods(desired, full(2, 2))).empty
+
+
+def test_gang_scale_down_and_rollout_delete_their_podgroups() -> None:
+    scaled = Desired(1, 2, REV, 1)
+    made = plan_gang(scaled, True, [gang(0), gang(1), gang(2)], plan_pods(scaled, full(3, 2)))
+    assert [g.replica for g in made.delete] == [2, 1] and made.create == ()
+    rolled = Desired(2, 2, "r2", 1)
+    plan = plan_pods(rolled, full(2, 2))
+    made = plan_gang(rolled, True, [gang(0), gang(1)], plan)
+    assert [g.replica for g in made.delete] == list(plan.replace) == [1]
+    assert made.held == frozenset({1})
+
+
+def test_a_podgroup_being_deleted_replaces_the_replica_and_holds_its_pods() -> None:
+    desired = Desired(2, 2, REV, 1)
+    groups = [gang(0), gang(1, terminating=True)]
+    plan = plan_pods(desired, full(2, 2), replacing_replicas(groups))
+    assert {p.name for p in plan.delete} == {"g-r1-w0", "g-r1-w1"} and plan.create == ()
+    # Its pods gone, the PodGroup still finalizing: nothing is created for the replica yet.
+    pods = full(1, 2)
+    plan = plan_pods(desired, pods, replacing_replicas(groups))
+    assert plan.create == ()
+    assert plan_gang(desired, True, groups, plan).held == frozenset({1})
+    # Gone: the replica gets a new PodGroup and its pods.
+    plan = plan_pods(desired, pods, replacing_replicas([gang(0)]))
+    assert plan.create == ((1, 0), (1, 1))
+    assert plan_gang(desired, True, [gang(0)], plan).create == (1,)
+
+
+def test_gang_off_or_a_wrong_min_count_deletes_podgroups() -> None:
+    desired = Desired(2, 2, REV, 1)
+    plan = plan_pods(desired, full(2, 2))
+    off = plan_gang(desired, False, [gang(0), gang(1)], plan)
+    assert len(off.delete) == 2 and off.held == frozenset() and not off.active
+    stale = plan_gang(desired, True, [gang(0), gang(1, min_count=4)], plan)
+    assert [g.replica for g in stale.delete] == [1]
+
+
+def test_observe_pod_group_reads_the_schedulers_condition() -> None:
+    body = {
+        "metadata": {"name": "g-r0", "uid": "x", "labels": {labels.GROUP: "g", labels.REPLICA: "0"}},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": 4}}},
+        "status": {
+            "conditions": [
+                {
+                    "type": "PodGroupInitiallyScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "pod group is unschedulable, minCount (4) cannot be satisfied",
+                }
+            ]
+        },
+    }
+    observed = observe_pod_group(body)
+    assert observed is not None and observed.min_count == 4 and observed.scheduled is False
+    assert observed.message == "pod group is unschedulable, minCount (4) cannot be satisfied"
+    assert observe_pod_group({"metadata": {"name": "x", "labels": {}}}) is None
+
+
+def test_gang_status_per_replica_and_condition() -> None:
+    desired = Desired(2, 2, REV, 1)
+    pods = [
+        pod(0, 0, node="n0"), pod(0, 1, node="n1"),
+        pod(1, 0, ready=False, unschedulable="pod group is unschedulable"), pod(1, 1, ready=False),
+    ]  # fmt: skip
+    waiting = gang(1, scheduled=False, message="minCount (2) cannot be satisfied: 1 scheduled")
+    result = status.group_status(
+        "g", 1, desired, pods, plan_pods(desired, pods), None, "t", gang=status.Gang(True, (gang(0), waiting))
+    )
+    replicas = {r["index"]: r for r in result["replicaStatuses"]}
+    assert replicas[0]["gang"] == "Placed" and "gangMessage" not in replicas[0]
+    assert replicas[1]["gang"] == "Waiting"
+    assert replicas[1]["gangMessage"] == "minCount (2) cannot be satisfied: 1 scheduled"
+    condition = {c["type"]: c for c in result["conditions"]}["GangScheduling"]
+    assert condition["status"] == "True" and condition["reason"] == "Waiting"
+    assert condition["message"] == "replica 1: minCount (2) cannot be satisfied: 1 scheduled"
+
+    unserved = status.group_status(
+        "g", 1, desired, pods, plan_pods(desired, pods), None, "t", gang=status.Gang(False)
+    )
+    condition = {c["type"]: c for c in unserved["conditions"]}["GangScheduling"]
+    assert condition["status"] == "False" and condition["reason"] == "ApiNotServed"
+    assert "gang" not in unserved["replicaStatuses"][0]
+    off = status.group_status("g", 1, desired, pods, plan_pods(desired, pods), unserved, "t")
+    assert "GangScheduling" not in {c["type"] for c in off["conditions"]}

@@ -36,6 +36,15 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+# Gang placement (scheduling.k8s.io/v1beta1, where the cluster serves it): one Workload per group, replaced
+# when the world size changes (its templates are fixed); one PodGroup per replica, kept in an index fed by a
+# watch, created before the replica's pods and deleted before them.
+- apiGroups: [scheduling.k8s.io]
+  resources: [workloads]
+  verbs: [get, create, delete]
+- apiGroups: [scheduling.k8s.io]
+  resources: [podgroups]
+  verbs: [list, watch, create, delete]
 # Kubernetes Events for what the operator did.
 - apiGroups: [""]
   resources: [events]

@@ -667,6 +667,15 @@ class SchedulingSpec(ApiModel):
         max_length=253,
         description="Scheduler of the worker pods; the default scheduler when unset.",
     )
+    gang: bool | None = Field(
+        default=None,
+        description=(
+            "Gang placement by the cluster's own scheduler: one Workload per group and one PodGroup per "
+            "replica (scheduling.k8s.io/v1beta1), so no pod of a replica binds until all worldSize pods "
+            "fit. Default: on when worldSize > 1. Where the cluster does not serve that API, pods are "
+            "placed one by one and the condition GangScheduling is False."
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------ health/scaling
@@ -791,6 +800,11 @@ class InferenceWorkerGroupSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaling.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rolling replacement.")
 
+    @property
+    def gang_enabled(self) -> bool:
+        """Whether replicas are placed as gangs (spec.scheduling.gang, default: worldSize > 1)."""
+        return self.world_size > 1 if self.scheduling.gang is None else self.scheduling.gang
+
     cross_field_rules = (
         CrossFieldRule(
             cel=(
@@ -842,6 +856,16 @@ class ReplicaStatus(ApiModel):
     ready: bool = Field(default=False, description="All ranks exist, run the current revision and are ready.")
     revision: str = Field(default="", description="Pod template revision of this replica's pods.")
     nodes: list[str] = Field(default_factory=list, description="Nodes the replica's pods are bound to.")
+    gang: Literal["Placed", "Waiting"] | None = Field(
+        default=None,
+        description=(
+            "With gang placement: Placed once the scheduler bound the replica's PodGroup, Waiting before "
+            "(gangMessage says why)."
+        ),
+    )
+    gang_message: str | None = Field(
+        default=None, description="The scheduler's message on a waiting replica's PodGroup."
+    )
 
 
 class AvoidedNode(ApiModel):

@@ -2,6 +2,7 @@
 
 from iwg_operator.builders.common import BuildSettings, Group, Manifest, pod_name
 from iwg_operator.builders.driver import driver_deployment, driver_service
+from iwg_operator.builders.gang import pod_group, pod_group_name, workload, workload_name
 from iwg_operator.builders.support import (
     config_map,
     curve_secret,
@@ -24,7 +25,11 @@ __all__ = [
     "headless_service",
     "network_policy",
     "pod_disruption_budget",
+    "pod_group",
+    "pod_group_name",
     "pod_name",
     "revision",
     "worker_pod",
+    "workload",
+    "workload_name",
 ]

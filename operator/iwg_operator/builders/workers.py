@@ -117,7 +117,10 @@ def affinity(group: Group, replica: int) -> Manifest | None:
     return result or None
 
 
-def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -> Manifest:
+def worker_pod(
+    group: Group, replica: int, rank: int, settings: BuildSettings, pod_group: str | None = None
+) -> Manifest:
+    """One rank's pod; `pod_group` names the replica's PodGroup under gang placement (immutable on a pod)."""
     spec = group.spec
     name = pod_name(group.name, replica, rank)
     rev = revision(group, settings)
@@ -209,6 +212,8 @@ def worker_pod(group: Group, replica: int, rank: int, settings: BuildSettings) -
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.scheduling.scheduler_name:
         pod_spec["schedulerName"] = spec.scheduling.scheduler_name
+    if pod_group is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
