@@ -1,6 +1,6 @@
 """Operator scale: N groups x 4 pods on simulated nodes, against a real kube-apiserver, scheduler and kwok.
 
-    python -m bench.operator_scale [--groups 250] [--quiet-seconds 60] [--write-docs]
+    python -m bench.operator_scale [--groups 250] [--quiet-seconds 60] [--gang] [--write-docs]
 
 Prints: time until all pods exist and until every group reports them (and until all are Running), API
 requests the operator made, its peak RSS and CPU, and API writes per minute over a quiet period afterwards.
@@ -8,6 +8,10 @@ Ratios against (a) Grove's published ScaleTest_1000 (1000 pods in 36.1 s) and (b
 this run: the same number of pods created directly by a plain client with as many requests in flight as the
 operator allows itself (iwg_operator.kube.MAX_IN_FLIGHT), which is the floor the
 API server and scheduler on this machine allow.
+
+With `--gang`, a second run follows on a control plane that serves gang placement (GenericWorkload): the same
+groups with gang placement on (a Workload per group, a PodGroup per replica), and its ratios against the first
+run, whose groups have it off (`spec.scheduling.gang: false`).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int
     return counted, running
 
 
-def manifest(namespace: str, index: int) -> dict[str, Any]:
+def manifest(namespace: str, index: int, gang: bool = False) -> dict[str, Any]:
     return {
         "apiVersion": api.API_VERSION,
         "kind": api.KIND,
@@ -130,7 +134,8 @@ def manifest(namespace: str, index: int) -> dict[str, Any]:
             "worldSize": WORLD_SIZE,
             "worker": {"gpus": 0, "image": "ghcr.io/iwg-dev/iwg-worker:bench"},
             "scheduling": {
-                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "gang": gang,
             },
         },
     }
@@ -168,10 +173,11 @@ def direct_baseline(core: client.CoreV1Api, namespace: str, pods: int) -> float:
     return time.monotonic() - started
 
 
-def run(groups: int, quiet_seconds: float) -> dict[str, Any]:
+def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]:
+    """One run; with `gang`, on a control plane serving Workload and PodGroup, the groups placed as gangs."""
     pods_total = groups * PODS_PER_GROUP
     nodes = max(4, -(-pods_total // 100) + 1)
-    cp = ControlPlane(name="iwg-bench").start()
+    cp = (ControlPlane.with_gang_scheduling if gang else ControlPlane)(name="iwg-bench").start()
     operator: subprocess.Popen[bytes] | None = None
     try:
         cp.start_scheduler()
@@ -222,7 +228,7 @@ def run(groups: int, quiet_seconds: float) -> dict[str, Any]:
             list(
                 pool.map(
                     lambda i: custom.create_namespaced_custom_object(
-                        api.GROUP, api.VERSION, "bench", api.PLURAL, manifest("bench", i)
+                        api.GROUP, api.VERSION, "bench", api.PLURAL, manifest("bench", i, gang)
                     ),
                     range(groups),
                 )
@@ -261,6 +267,7 @@ def run(groups: int, quiet_seconds: float) -> dict[str, Any]:
         for (verb, _, _), value in requests_busy.items():
             by_verb[verb] = by_verb.get(verb, 0) + value
         return {
+            "gang": gang,
             "groups": groups,
             "pods": pods_total,
             "nodes": nodes,
@@ -302,6 +309,7 @@ def report(result: dict[str, Any]) -> str:
 
     requests = ", ".join(f"{verb} {int(n)}" for verb, n in sorted(result["operator_requests"].items()))
     lines = [
+        f"{'Gang placement on' if result.get('gang') else 'Gang placement off'}: "
         f"{result['groups']} groups x {PODS_PER_GROUP} pods ({REPLICAS} replicas x world size {WORLD_SIZE}) = "
         f"{pods} pods on {result['nodes']} kwok nodes; real kube-apiserver, etcd, kube-scheduler, "
         "kube-controller-manager; operator `iwg-operator -A` in its own process.",
@@ -322,6 +330,24 @@ def report(result: dict[str, Any]) -> str:
         f"{result['quiet_writes_per_minute']:.1f} (target 0) | | |",
         f"| operator CPU in the quiet window | {result['quiet_cpu_seconds']:.2f} s | | |",
     ]
+    return "\n".join(lines)
+
+
+def compare(plain: dict[str, Any], gang: dict[str, Any]) -> str:
+    """The gang run against the run without it (the same invocation, one after the other)."""
+    rows = [
+        ("all pods exist", "pods_exist_seconds"),
+        ("every group's status counts its pods", "groups_report_seconds"),
+        ("every group Running", "groups_running_seconds"),
+    ]
+    lines = ["| measure | gang off | gang on | gang on / off |", "|---|---|---|---|"]
+    for label, key in rows:
+        off, on = plain[key], gang[key]
+        share = "-" if off is None or on is None else f"{on / off:.2f}x"
+        lines.append(f"| {label} | {off or 0:.1f} s | {on or 0:.1f} s | {share} |")
+    base = gang["direct_create_seconds"] / plain["direct_create_seconds"]
+    lines.append(f"| direct creates (each run's own floor) | {plain['direct_create_seconds']:.1f} s | "
+                 f"{gang['direct_create_seconds']:.1f} s | {base:.2f}x |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -349,15 +375,24 @@ def main(argv: list[str] | None = None) -> int:
         "--write-docs", action="store_true", help=f"record the table in {DOCS.relative_to(ROOT)}"
     )
     parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
+    parser.add_argument(
+        "--gang", action="store_true", help="a second run with gang placement on, compared with the first"
+    )
     args = parser.parse_args(argv)
     result = run(args.groups, args.quiet_seconds)
     text = report(result)
+    if args.gang:
+        gang = run(args.groups, args.quiet_seconds, gang=True)
+        text += "\n\n" + report(gang) + "\n\n" + compare(result, gang)
+        if args.json:
+            print(json.dumps(gang, indent=1))
     print(text)
     if args.json:
         print(json.dumps(result, indent=1))
     if args.write_docs:
         command = (
             f"python -m bench.operator_scale --groups {args.groups} --quiet-seconds {args.quiet_seconds:.0f}"
+            + (" --gang" if args.gang else "")
         )
         write_docs(text, command)
     return 0

@@ -3,6 +3,9 @@
 from tests.cluster.fixtures import (
     control_plane,
     controller_manager,
+    gang_control_plane,
+    gang_k8s,
+    gang_namespace,
     gpu_nodes,
     k8s,
     namespace,
@@ -14,6 +17,9 @@ from tests.nodeagent.fixture import node_agent
 __all__ = [
     "control_plane",
     "controller_manager",
+    "gang_control_plane",
+    "gang_k8s",
+    "gang_namespace",
     "gpu_nodes",
     "k8s",
     "namespace",

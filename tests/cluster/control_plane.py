@@ -60,6 +60,12 @@ CONTROLLERS = (
     "endpointslice",
     "disruption",
 )
+# Gang placement (Kubernetes 1.37: beta, off by default): the feature gate on the apiserver, scheduler and
+# controller manager, the API group version on the apiserver, and the controller that lifts a deleted
+# PodGroup's protection finalizer once its pods are gone (without it the PodGroup stays Terminating).
+GANG_FEATURE_GATES = ("GenericWorkload",)
+GANG_RUNTIME_CONFIG = ("scheduling.k8s.io/v1beta1",)
+GANG_CONTROLLERS = ("podgroup-protection-controller",)
 
 
 class StartupError(RuntimeError):
@@ -129,15 +135,31 @@ class _Proc:
 class ControlPlane:
     """One control plane. `start()` brings up etcd + kube-apiserver; the rest starts on request."""
 
-    def __init__(self, *, die_with_parent: bool = True, name: str = "iwg") -> None:
+    def __init__(
+        self,
+        *,
+        die_with_parent: bool = True,
+        name: str = "iwg",
+        feature_gates: Sequence[str] = (),
+        runtime_config: Sequence[str] = (),
+    ) -> None:
+        """`feature_gates` are turned on in the apiserver, scheduler and controller manager; `runtime_config`
+        names API group versions the apiserver serves besides its defaults."""
         self.name = name
         self.die_with_parent = die_with_parent
+        self.feature_gates = tuple(feature_gates)
+        self.runtime_config = tuple(runtime_config)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{name}-cp-"))
         self.token = secrets.token_hex(24)
         self.port = 0
         self.startup_seconds: dict[str, float] = {}
         self._procs: list[_Proc] = []
         self._nodes: GpuNodePool | None = None
+
+    @classmethod
+    def with_gang_scheduling(cls, **kwargs: Any) -> ControlPlane:
+        """A control plane that serves Workload and PodGroup (scheduling.k8s.io/v1beta1) and schedules gangs."""
+        return cls(feature_gates=GANG_FEATURE_GATES, runtime_config=GANG_RUNTIME_CONFIG, **kwargs)
 
     # -- public surface -------------------------------------------------------------------------
 
@@ -212,6 +234,7 @@ class ControlPlane:
                 "--bind-address=127.0.0.1",
                 f"--secure-port={port}",
                 "--leader-elect=false",
+                *self._gate_flags(),
             ],
             health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )
@@ -220,6 +243,8 @@ class ControlPlane:
     def start_controller_manager(self, controllers: Sequence[str] = CONTROLLERS) -> None:
         if self.running("kube-controller-manager"):
             return
+        if "GenericWorkload" in self.feature_gates:
+            controllers = (*controllers, *GANG_CONTROLLERS)
         t0 = time.monotonic()
         self._start_on_free_port(
             "kube-controller-manager",
@@ -232,13 +257,21 @@ class ControlPlane:
                 f"--service-account-private-key-file={self.workdir / 'sa.key'}",
                 f"--root-ca-file={self.ca_file}",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                *self._gate_flags(),
             ],
             health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )
         self.startup_seconds["kube-controller-manager"] = time.monotonic() - t0
 
-    def start_gpu_nodes(self, count: int = 4, gpus_per_node: int = 8) -> list[str]:
-        """Starts kwok (once) and creates simulated GPU nodes; returns their names once Ready."""
+    def start_gpu_nodes(
+        self,
+        count: int = 4,
+        gpus_per_node: int = 8,
+        prefix: str = "kwok-gpu-",
+        labels: dict[str, str] | None = None,
+    ) -> list[str]:
+        """Starts kwok (once) and creates simulated GPU nodes `<prefix>0..count-1` (with `labels` besides the
+        GPU ones, e.g. for a test's own pool); returns their names once Ready."""
         t0 = time.monotonic()
         if self._nodes is None:
             self._nodes = GpuNodePool(self.api_client())
@@ -251,10 +284,18 @@ class ControlPlane:
                 ],
             )
         names = self._nodes.ensure(
-            count=count, gpus_per_node=gpus_per_node, alive=lambda: self._alive("kwok")
+            count=count,
+            gpus_per_node=gpus_per_node,
+            alive=lambda: self._alive("kwok"),
+            prefix=prefix,
+            labels=labels,
         )
         self.startup_seconds.setdefault("kwok+gpu-nodes", time.monotonic() - t0)
         return names
+
+    def delete_nodes(self, names: list[str]) -> None:
+        if self._nodes is not None:
+            self._nodes.delete(names)
 
     def stop(self) -> None:
         """Stops every process this control plane started and removes its files."""
@@ -285,6 +326,11 @@ class ControlPlane:
         return state
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _gate_flags(self) -> list[str]:
+        if not self.feature_gates:
+            return []
+        return [f"--feature-gates={','.join(f'{gate}=true' for gate in self.feature_gates)}"]
 
     def _write_credentials(self) -> None:
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -343,6 +389,12 @@ class ControlPlane:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 # Lets PodSecurity, not the cluster-wide switch, be what refuses privileged pods.
                 "--allow-privileged=true",
+                *self._gate_flags(),
+                *(
+                    [f"--runtime-config={','.join(f'{gv}=true' for gv in self.runtime_config)}"]
+                    if self.runtime_config
+                    else []
+                ),
             ],
             health=lambda port: f"https://127.0.0.1:{port}/readyz",
             token=self.token,

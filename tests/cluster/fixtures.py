@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import time
@@ -29,6 +30,40 @@ def control_plane() -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def gang_control_plane() -> Iterator[ControlPlane]:
+    """A second control plane with gang placement on (feature gate GenericWorkload, scheduling.k8s.io/v1beta1
+    served), with its scheduler, controller manager and kwok; tests add their own GPU nodes
+    (`start_gpu_nodes(prefix=..., labels=...)`). The default fixtures stay without it."""
+    cp = ControlPlane.with_gang_scheduling(name="iwg-gang").start()
+    _started.append(cp)
+    try:
+        cp.start_scheduler()
+        cp.start_controller_manager()
+        cp.start_gpu_nodes(count=0)
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def gang_k8s(gang_control_plane: ControlPlane) -> Iterator[ApiClient]:
+    api = gang_control_plane.api_client()
+    try:
+        yield api
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def gang_namespace(
+    request: pytest.FixtureRequest, gang_control_plane: ControlPlane, gang_k8s: ApiClient
+) -> Iterator[str]:
+    """A fresh namespace on the gang control plane (its default ServiceAccount exists)."""
+    with fresh_namespace(request, gang_control_plane, gang_k8s) as name:
+        yield name
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +99,14 @@ def namespace(request: pytest.FixtureRequest, control_plane: ControlPlane, k8s: 
     Pods need the namespace's `default` ServiceAccount; it is waited for when the
     controller manager runs (ask for `controller_manager` before `namespace`).
     """
+    with fresh_namespace(request, control_plane, k8s) as name:
+        yield name
+
+
+@contextlib.contextmanager
+def fresh_namespace(
+    request: pytest.FixtureRequest, control_plane: ControlPlane, k8s: ApiClient
+) -> Iterator[str]:
     core = client.CoreV1Api(k8s)
     stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{stem}-{secrets.token_hex(3)}"

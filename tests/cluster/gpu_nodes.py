@@ -18,7 +18,7 @@ NODE_PREFIX = "kwok-gpu-"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 
 
-def gpu_node_manifest(name: str, gpus: int) -> dict[str, Any]:
+def gpu_node_manifest(name: str, gpus: int, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     capacity = {
         "cpu": "64",
         "memory": "512Gi",
@@ -42,6 +42,7 @@ def gpu_node_manifest(name: str, gpus: int) -> dict[str, Any]:
                 GPU_PRODUCT_LABEL: GPU_PRODUCT,
                 "nvidia.com/gpu.count": str(gpus),
                 "nvidia.com/gpu.present": "true",
+                **(extra_labels or {}),
             },
         },
         "spec": {"taints": [GPU_TAINT]},
@@ -57,13 +58,21 @@ class GpuNodePool:
         self._core = client.CoreV1Api(api)
 
     def ensure(
-        self, *, count: int, gpus_per_node: int, alive: Callable[[], bool], timeout: float = 60
+        self,
+        *,
+        count: int,
+        gpus_per_node: int,
+        alive: Callable[[], bool],
+        timeout: float = 60,
+        prefix: str = NODE_PREFIX,
+        labels: dict[str, str] | None = None,
     ) -> list[str]:
-        """Creates the nodes that are missing; returns all names once each is Ready with its GPUs."""
-        names = [f"{NODE_PREFIX}{i}" for i in range(count)]
+        """Creates the nodes `<prefix>0..count-1` that are missing (with `labels` besides the GPU ones);
+        returns all names once each is Ready with its GPUs."""
+        names = [f"{prefix}{i}" for i in range(count)]
         for name in names:
             try:
-                node = client.V1Node.from_dict(gpu_node_manifest(name, gpus_per_node))
+                node = client.V1Node.from_dict(gpu_node_manifest(name, gpus_per_node, labels))
                 assert node is not None
                 self._core.create_node(node)
             except ApiException as exc:
@@ -96,6 +105,14 @@ class GpuNodePool:
         kept = [t for t in taints if t["key"] != NOT_READY_TAINT]
         if kept != taints:
             self._core.patch_node(name, {"spec": {"taints": kept}})
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                self._core.delete_node(name)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
 
     def close(self) -> None:
         self._api.close()  # type: ignore[no-untyped-call]

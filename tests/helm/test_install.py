@@ -156,7 +156,9 @@ def _total(samples: list[tuple[dict[str, str], float]], **labels: str) -> float:
 class Workload:
     """The example group in its own namespace, driven through kubectl like a user would."""
 
-    def __init__(self, control_plane: ControlPlane, k8s: ApiClient, namespace: str) -> None:
+    def __init__(
+        self, control_plane: ControlPlane, k8s: ApiClient, namespace: str, world_size: int = 1
+    ) -> None:
         self.cp = control_plane
         self.ns = namespace
         self.core = client.CoreV1Api(k8s)
@@ -166,6 +168,7 @@ class Workload:
         example["spec"].setdefault("scheduling", {})["tolerations"] = [GPU_TOLERATION]
         # The autoscaler runs too (it holds: the simulated driver serves no metrics), with the same RBAC.
         example["spec"]["autoscaling"]["enabled"] = True
+        example["spec"]["worldSize"] = self.world_size = world_size  # more than 1: gang placement by default
         self.name = example["metadata"]["name"]
         self.example = example
 
@@ -194,7 +197,7 @@ class Workload:
         return (
             status.get("phase") == "Running"
             and status.get("readyReplicas") == replicas
-            and len(pods) == replicas
+            and len(pods) == replicas * self.world_size
             and (image is None or all(p.spec.containers[0].image == image for p in pods))
         )
 
@@ -232,7 +235,12 @@ class Workload:
 
 
 def _run_operator_through_a_scenario(
-    control_plane: ControlPlane, k8s: ApiClient, release: Release, workload_ns: str, tmp_path: Path
+    control_plane: ControlPlane,
+    k8s: ApiClient,
+    release: Release,
+    workload_ns: str,
+    tmp_path: Path,
+    world_size: int = 1,
 ) -> tuple[list[Request], dict[str, list[tuple[dict[str, str], float]]], str]:
     proxy = RecordingProxy(control_plane.server, control_plane.ca_file).start()
     operator: OperatorProcess | None = None
@@ -243,7 +251,7 @@ def _run_operator_through_a_scenario(
         operator = OperatorProcess(release, kubeconfig, tmp_path / "operator.log")
         eventually(lambda: operator.healthy(release.health_port), 60, "the operator's liveness endpoint")
 
-        workload = Workload(control_plane, k8s, workload_ns)
+        workload = Workload(control_plane, k8s, workload_ns, world_size)
         workload.apply()
         eventually(lambda: workload.running(2), 60, "the example group running with 2 replicas")
         control_plane.kubectl("scale", "-n", workload_ns, f"iwg/{workload.name}", "--replicas=3")
@@ -260,6 +268,11 @@ def _run_operator_through_a_scenario(
         # The autoscaler brings replicas within new bounds (through the scale subresource), metrics or not.
         workload.patch({"autoscaling": {"minReplicas": 2}})
         eventually(lambda: workload.running(2), 60, "the autoscaler raised replicas to minReplicas")
+        if world_size > 1:
+            # One rank per replica: no gang any more, its PodGroups and Workload go.
+            workload.patch({"worldSize": 1})
+            workload.world_size = 1
+            eventually(lambda: workload.running(2), 60, "world size 1")
         scraped = _scrape(release.metrics_port)
         control_plane.kubectl("delete", "-n", workload_ns, f"iwg/{workload.name}", "--wait=false")
         eventually(workload.gone, 60, "the group deleted")
@@ -276,6 +289,15 @@ def _granted(release: Release, scope: str) -> set[tuple[str, str, str]]:
     return {rule[1:] for rule in chart.rules(release.manifest) if rule[0] == scope}
 
 
+def _served(control_plane: ControlPlane) -> set[tuple[str, str]]:
+    """(API group, resource) of everything the cluster serves."""
+    names = control_plane.kubectl("api-resources", "-o", "name").stdout.split()
+    return {(name.partition(".")[2], name.partition(".")[0]) for name in names}
+
+
+GANG_RESOURCES = {("scheduling.k8s.io", "workloads"), ("scheduling.k8s.io", "podgroups")}
+
+
 @pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
 def test_the_operator_runs_with_exactly_the_charts_rbac(
     mode: str,
@@ -287,6 +309,20 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
     namespace: str,
     tmp_path: Path,
 ) -> None:
+    _check_rbac(mode, control_plane, k8s, namespace, tmp_path, world_size=1)
+
+
+def test_the_operator_runs_with_exactly_the_charts_rbac_under_gang_placement(
+    gang_control_plane: ControlPlane, gang_k8s: ApiClient, gang_namespace: str, tmp_path: Path
+) -> None:
+    """On a cluster serving Workload and PodGroup, a group of world size 2 uses every gang rule too."""
+    gang_control_plane.start_gpu_nodes()
+    _check_rbac("namespaced", gang_control_plane, gang_k8s, gang_namespace, tmp_path, world_size=2)
+
+
+def _check_rbac(
+    mode: str, control_plane: ControlPlane, k8s: ApiClient, namespace: str, tmp_path: Path, world_size: int
+) -> None:
     core = client.CoreV1Api(k8s)
     workload_ns = f"{namespace[:50]}-work"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=workload_ns)))
@@ -294,7 +330,7 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
     release = _install(control_plane, namespace, *values)
     try:
         requests, scraped, output = _run_operator_through_a_scenario(
-            control_plane, k8s, release, workload_ns, tmp_path
+            control_plane, k8s, release, workload_ns, tmp_path, world_size
         )
     finally:
         chart.helm("uninstall", release.name, "--namespace", namespace, env=control_plane.env())
@@ -319,7 +355,15 @@ def test_the_operator_runs_with_exactly_the_charts_rbac(
         granted = _granted(release, workload_ns)
         assert {r.namespace for r in resource_requests} == {workload_ns}
     assert used <= granted, f"used but not granted: {used - granted}"
-    assert granted <= used, f"granted but never used by the operator: {sorted(granted - used)}"
+    # A rule on a resource this cluster does not serve cannot be used: only the gang rules may be such.
+    served = _served(control_plane)
+    unserved = {rule for rule in granted if (rule[0], rule[1].split("/")[0]) not in served}
+    assert {rule[:2] for rule in unserved} <= GANG_RESOURCES, unserved
+    if world_size > 1:
+        assert not unserved, f"the gang control plane serves every resource granted: {unserved}"
+    assert granted - unserved <= used, (
+        f"granted but never used by the operator: {sorted(granted - unserved - used)}"
+    )
 
     # The metrics endpoint, scraped mid-run: every iwg_operator_ metric is there, and what it counted
     # agrees with what the API server saw.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,8 +83,7 @@ class Groups:
         return list(self.core.list_namespaced_event(self.namespace, field_selector=selector).items)
 
 
-@pytest.fixture(scope="session")
-def iwg_crd(control_plane: Any) -> dict[str, Any]:
+def install_crd(control_plane: Any) -> dict[str, Any]:
     """The generated CRD, installed and Established."""
     manifest = yaml.safe_load(crdgen.render_crd())
     control_plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(manifest))
@@ -103,6 +103,26 @@ def iwg_crd(control_plane: Any) -> dict[str, Any]:
     return manifest
 
 
+@contextlib.contextmanager
+def running_operator(
+    control_plane: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[KopfRunner]:
+    """The real operator (Kopf in a thread) handling one namespace of a control plane."""
+    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "iwg_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        time.sleep(1.0)  # Kopf lists and starts watching
+        yield runner
+    assert runner.exception is None, runner.output[-4000:]
+    assert runner.exit_code == 0, runner.output[-4000:]
+    assert "Traceback" not in runner.output, runner.output[-4000:]
+
+
+@pytest.fixture(scope="session")
+def iwg_crd(control_plane: Any) -> dict[str, Any]:
+    return install_crd(control_plane)
+
+
 @pytest.fixture
 def groups(controller_manager: Any, k8s: ApiClient, namespace: str) -> Groups:
     """Groups in a fresh namespace (the controller manager first: pods need the default ServiceAccount)."""
@@ -114,11 +134,5 @@ def operator(
     iwg_crd: dict[str, Any], control_plane: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[KopfRunner]:
     """The real operator (Kopf in a thread) handling the test's namespace."""
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "iwg_operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
-        time.sleep(1.0)  # Kopf lists and starts watching
+    with running_operator(control_plane, namespace, monkeypatch) as runner:
         yield runner
-    assert runner.exception is None, runner.output[-4000:]
-    assert runner.exit_code == 0, runner.output[-4000:]
-    assert "Traceback" not in runner.output, runner.output[-4000:]
