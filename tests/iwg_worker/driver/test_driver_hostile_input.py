@@ -211,6 +211,12 @@ def test_a_lone_surrogate_is_a_400_naming_the_input_and_its_batch_neighbours_suc
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "input[1]" and "surrogate" in error["message"], error
+    # A key with a lone surrogate is named with it escaped: the error body itself is valid UTF-8.
+    response = _post(f"{server.url}/v1/embeddings", encode({"model": MODEL, "input": "x", "us\udc00r": 1}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "us\\udc00r" and "surrogate" in error["message"], error
+    error["message"].encode("utf-8")
 
 
 @pytest.mark.parametrize(

@@ -161,11 +161,13 @@ def _check_text(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        # The field's name itself may hold the surrogate (a key): named with it escaped, so the answer is UTF-8.
+        where = path.encode("utf-8", "backslashreplace").decode("utf-8")
         raise ApiError(
             400,
-            f"'{path}' is not valid Unicode text: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) "
+            f"'{where}' is not valid Unicode text: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) "
             f"at position {exc.start}.",
-            param=path,
+            param=where,
             code="invalid_value",
         ) from None
 
