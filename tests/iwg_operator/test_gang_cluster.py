@@ -131,7 +131,7 @@ def gpu_spec(pool: NodePool, **spec: Any) -> dict[str, Any]:
 
 
 def test_room_for_3_of_4_binds_3_without_a_gang_and_none_with_it_until_a_node_is_added(
-    gang_groups: GangGroups, pool: NodePool, gang_operator: KopfRunner
+    gang_groups: GangGroups, pool: NodePool, gang_control_plane: ControlPlane, gang_operator: KopfRunner
 ) -> None:
     pool.grow(3)  # 3 x 8 GPUs: room for 3 of the replica's 4 eight-GPU pods
     gang_groups.create("loose", **gpu_spec(pool, replicas=1, worldSize=4, scheduling={"gang": False}))
@@ -159,6 +159,12 @@ def test_room_for_3_of_4_binds_3_without_a_gang_and_none_with_it_until_a_node_is
     condition = gang_groups.condition("tight", "GangScheduling")
     assert condition is not None and condition["status"] == "True" and condition["reason"] == "Waiting"
     assert condition["message"].startswith("replica 0: ") and "minCount (4)" in condition["message"]
+    described = gang_control_plane.kubectl("describe", "iwg", "tight", "-n", gang_groups.namespace).stdout
+    assert "GangScheduling" in described and "minCount (4)" in described
+    listed = gang_control_plane.kubectl(
+        "get", "podgroups,workloads", "-n", gang_groups.namespace, "-l", f"{labels.GROUP}=tight", "-o", "name"
+    ).stdout.split()
+    assert sorted(listed) == ["podgroup.scheduling.k8s.io/tight-r0", "workload.scheduling.k8s.io/tight"]
     (pod_group,) = gang_groups.pod_groups("tight")
     assert pod_group["metadata"]["name"] == "tight-r0"
     assert pod_group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 4}}
