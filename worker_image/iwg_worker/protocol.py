@@ -18,6 +18,8 @@ Message kinds and their header keys (every key required, no others allowed):
 - ``goodbye``: ``{kind, replica, rank, reason, last_call}`` worker -> driver; ``last_call`` is the id of the
   last call the worker ran (it ran every earlier one it received, and will run none after)
 - ``ping``: ``{kind, ts}`` driver -> worker heartbeat
+- ``overflow``: ``{kind, id}`` driver -> worker through the shared-memory ring (`executor.shm_ring`): call
+  ``id`` was too large for the ring and comes on the socket; the worker runs it in this place
 
 Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
 receiver logs and drops before serving the next message.
@@ -134,7 +136,12 @@ class Ping:
     ts: float
 
 
-Message = Call | Reply | Hello | Goodbye | Ping
+@dataclass(frozen=True, slots=True)
+class Overflow:
+    id: int
+
+
+Message = Call | Reply | Hello | Goodbye | Ping | Overflow
 
 _KEYS: Final[dict[str, frozenset[str]]] = {
     "call": frozenset({"kind", "id", "method", "args", "kwargs", "reply_rank", "deadline"}),
@@ -147,6 +154,7 @@ _KEYS: Final[dict[str, frozenset[str]]] = {
     ),
     "goodbye": frozenset({"kind", "replica", "rank", "reason", "last_call"}),
     "ping": frozenset({"kind", "ts"}),
+    "overflow": frozenset({"kind", "id"}),
 }
 
 
@@ -296,6 +304,10 @@ def encode_goodbye(replica: int, rank: int, reason: str, last_call: int | None) 
 
 def encode_ping(ts: float) -> list[Any]:
     return encode({"kind": "ping", "ts": ts})
+
+
+def encode_overflow(call_id: int) -> list[Any]:
+    return encode({"kind": "overflow", "id": call_id})
 
 
 # --------------------------------------------------------------------------------------------- decoding
@@ -527,4 +539,6 @@ def _build_checked(kind: str, h: dict[str, Any]) -> Message:
             reason=_require(h, "reason", str),
             last_call=_require(h, "last_call", int, nullable=True),
         )
+    if kind == "overflow":
+        return Overflow(id=_require(h, "id", int))
     return Ping(ts=_require(h, "ts", (float, int)))

@@ -23,7 +23,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from iwg_operator.api import wiring
@@ -31,6 +31,7 @@ from iwg_operator.api.v1alpha1 import resolve_model_path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from iwg_worker import protocol
+from iwg_worker.executor import shm_ring
 from iwg_worker.health_server import HealthServer
 from iwg_worker.method_registry import UnknownMethodError
 from iwg_worker.security import CurveKeys, make_client
@@ -41,6 +42,7 @@ log = logging.getLogger("iwg_worker.worker_proc")
 
 DEFAULT_WORKER_CLS = "iwg_worker.torch_worker.TorchWorker"
 LIVENESS_TIMEOUT_S = 30.0
+OVERFLOW_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,10 @@ class WorkerProcConfig:
     pod_name: str = ""
     worker_cls: str = DEFAULT_WORKER_CLS
     worker_extension_cls: str | None = None
+    ring_path: str = ""  # a MultiprocExecutor's ring to read calls from, with:
+    ring_reader: int = 0
+    ring_wake: str = ""
+    ring_spin_s: float = shm_ring.DEFAULT_SPIN_S
 
     def __post_init__(self) -> None:
         for name, endpoint in (
@@ -117,6 +123,10 @@ class WorkerProcConfig:
             pod_name=env.get(wiring.POD_NAME) or f"{os.uname().nodename}-{os.getpid()}",
             worker_cls=env.get(wiring.WORKER_CLS) or DEFAULT_WORKER_CLS,
             worker_extension_cls=env.get(wiring.WORKER_EXTENSION_CLS) or None,
+            ring_path=env.get(shm_ring.ENV_PATH, ""),
+            ring_reader=integer(shm_ring.ENV_READER, 0),
+            ring_wake=env.get(shm_ring.ENV_WAKE, ""),
+            ring_spin_s=integer(shm_ring.ENV_SPIN_US, round(shm_ring.DEFAULT_SPIN_S * 1e6)) / 1e6,
         )
 
 
@@ -198,6 +208,12 @@ class WorkerProc:
             if keys is not None and endpoint.startswith("tcp://"):
                 make_client(sock, keys)
             sock.connect(endpoint)
+        self.ring = (
+            shm_ring.RingReader(config.ring_path, config.ring_reader, config.ring_wake, config.ring_spin_s)
+            if config.ring_path
+            else None
+        )
+        self._overflowed: dict[int, protocol.Call] = {}  # calls too large for the ring, before their marker
         self._send_lock = threading.Lock()
         self._output_closing = False
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
@@ -312,29 +328,125 @@ class WorkerProc:
     # -- busy loop -------------------------------------------------------------------------------------
 
     def worker_busy_loop(self) -> None:
+        if self.ring is not None:
+            self._ring_busy_loop(self.ring)
+            return
         sock = self.rpc_broadcast_mq
         sock.rcvtimeo = 100  # wake up to notice SIGTERM and to keep the liveness tick fresh
         while not self._stopping.is_set():
             self._loop_tick = time.monotonic()
             try:
-                frames: list[Any] = [sock.recv()]  # the header is small: a copy beats a zmq.Frame
+                frames = self._recv_socket(0)
             except zmq.Again:
                 continue
-            while sock.getsockopt(zmq.RCVMORE):
-                frames.append(sock.recv(copy=False))  # tensor frames arrive without a copy
-            try:
-                message = protocol.decode(frames)
-            except protocol.ProtocolError as exc:
-                self.metrics.rejected.inc()
-                log.warning("rejected a malformed message (%d frames): %s", len(frames), exc)
-                continue
+            message = self._decode(frames)
             if isinstance(message, protocol.Call):
                 self._serve(message)
-            elif isinstance(message, protocol.Ping):
-                self._last_ping = time.monotonic()
-            else:
+            elif message is not None:
+                self._reject_kind(message)
+
+    def _recv_socket(self, flags: int) -> list[Any]:
+        sock = self.rpc_broadcast_mq
+        frames: list[Any] = [sock.recv(flags)]  # the header is small: a copy beats a zmq.Frame
+        while sock.getsockopt(zmq.RCVMORE):
+            frames.append(sock.recv(copy=False))  # tensor frames arrive without a copy
+        return frames
+
+    def _decode(self, frames: list[Any]) -> protocol.Message | None:
+        """The message, or None after counting and logging a malformed one; pings are taken here."""
+        try:
+            message = protocol.decode(frames)
+        except protocol.ProtocolError as exc:
+            self.metrics.rejected.inc()
+            log.warning("rejected a malformed message (%d frames): %s", len(frames), exc)
+            return None
+        if isinstance(message, protocol.Ping):
+            self._last_ping = time.monotonic()
+            return None
+        return message
+
+    def _reject_kind(self, message: protocol.Message) -> None:
+        self.metrics.rejected.inc()
+        log.warning("rejected a %s message on the request path", type(message).__name__)
+
+    def _ring_busy_loop(self, ring: shm_ring.RingReader) -> None:
+        """Calls come from the shared-memory ring, in order; the socket brings pings and the calls too large
+        for the ring (each in the place of its ``overflow`` marker in the ring).
+
+        After a message the loop polls the ring for ``spin_s``, then sleeps on the ring's wake-up FIFO and
+        the socket (at most 100 ms, to notice SIGTERM and keep the liveness tick fresh), so an idle worker
+        uses no CPU to speak of."""
+        sock = self.rpc_broadcast_mq
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(ring.wake_fd, zmq.POLLIN)
+
+        def sleep(timeout: float) -> bool:
+            return bool(poller.poll(round(timeout * 1000)))
+
+        active = time.monotonic()
+        while not self._stopping.is_set():
+            now = self._loop_tick = time.monotonic()
+            try:
+                message = ring.poll()
+            except shm_ring.RingReadError as exc:
                 self.metrics.rejected.inc()
-                log.warning("rejected a %s message on the request socket", type(message).__name__)
+                log.warning("rejected a malformed message in the ring: %s", exc)
+                continue
+            if message is not None:
+                self._serve_ring(message, ring)
+                active = time.monotonic()
+                continue
+            if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._take_socket_message()
+                continue
+            held = ring.release_held()
+            if now - active < ring.spin_s:
+                continue
+            ring.wait(0.001 if held else 0.1, also=sleep)  # held chunks: look again soon
+            active = time.monotonic()
+
+    def _take_socket_message(self) -> None:
+        try:
+            frames = self._recv_socket(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        message = self._decode(frames)
+        if isinstance(message, protocol.Call):
+            if len(self._overflowed) >= 64:
+                self._overflowed.pop(next(iter(self._overflowed)))
+            self._overflowed[message.id] = message  # runs when the ring reaches its marker
+        elif message is not None:
+            self._reject_kind(message)
+
+    def _serve_ring(self, message: shm_ring.RingMessage, ring: shm_ring.RingReader) -> None:
+        decoded = self._decode(message.frames)
+        # Tensors decoded from the ring are views of it; without any, the chunk goes back before the call.
+        released = message.release()
+        if isinstance(decoded, protocol.Call):
+            self._serve(decoded)
+        elif isinstance(decoded, protocol.Overflow):
+            call = self._await_overflowed(decoded.id)
+            if call is not None:
+                self._serve(call)
+        elif decoded is not None:
+            self._reject_kind(decoded)
+        del decoded
+        if not released and not message.release():
+            ring.hold(message)  # a result still being sent, or a tensor the worker kept: later
+
+    def _await_overflowed(self, call_id: int) -> protocol.Call | None:
+        """Call ``call_id``, which the executor sent on the socket right after its ring marker."""
+        deadline = time.monotonic() + OVERFLOW_WAIT_S
+        while call_id not in self._overflowed:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopping.is_set():
+                self.metrics.rejected.inc()
+                log.warning("call %d was announced in the ring but did not come on the socket", call_id)
+                return None
+            if self.rpc_broadcast_mq.poll(round(min(left, 0.1) * 1000)):
+                self._take_socket_message()
+        return self._overflowed.pop(call_id)
 
     def _serve(self, call: protocol.Call) -> None:
         self._last_call = call.id
@@ -394,6 +506,8 @@ class WorkerProc:
         self._outbox.put(None)
         self._output_thread.join(timeout=5)
         self.rpc_broadcast_mq.close(linger=0)
+        if self.ring is not None:
+            self.ring.close()
         self.worker_response_mq.close(linger=2000)
         self._context.term()
         self.health.stop()

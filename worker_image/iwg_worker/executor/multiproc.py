@@ -1,8 +1,13 @@
-"""`MultiprocExecutor`: WorkerProcs spawned on this machine, reached over ipc sockets.
+"""`MultiprocExecutor`: WorkerProcs spawned on this machine, reached through a shared-memory ring and ipc sockets.
 
 Each worker is a real ``iwg-worker`` process configured through the same environment variables the operator
-writes into pods (`worker_env`), so ``iwg serve`` runs exactly what a pod runs. Besides heartbeats, the
-executor watches its processes: a worker that exits makes its replica leave at once.
+writes into pods (`worker_env`), so ``iwg serve`` runs exactly what a pod runs. Calls go to the workers
+through one shared-memory ring (`shm_ring`: written once, read by every worker addressed); replies,
+heartbeats, pings and calls too large for a ring chunk go over the ipc sockets of `RemoteExecutor`.
+
+Besides heartbeats, the executor watches its processes: a worker that exits makes its replica leave at once.
+After start-up, a replica that lost a rank is restarted, all its ranks (a torch.distributed group cannot
+take a new member), after a backoff that doubles with each failure in a row.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from iwg_operator.api import wiring
 
+from iwg_worker import protocol
+from iwg_worker.executor import shm_ring
+from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.remote import RemoteExecutor
 from iwg_worker.worker_base import WorkerConfig
 from iwg_worker.worker_proc import DEFAULT_WORKER_CLS
@@ -123,13 +132,41 @@ class MultiprocExecutor(RemoteExecutor):
         heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
         startup_timeout_s: float = 600.0,
         extra_env: dict[str, str] | None = None,
+        *,
+        ring: bool = True,
+        ring_chunks: int = shm_ring.DEFAULT_CHUNKS,
+        ring_chunk_bytes: int = shm_ring.DEFAULT_CHUNK_BYTES,
+        ring_spin_s: float | None = None,
+        restart: bool = True,
+        restart_backoff_s: float = 1.0,
+        restart_backoff_max_s: float = 30.0,
     ) -> None:
         """Spawn ``replicas * world_size`` WorkerProcs from ``config`` (its replica/rank/world_size are
         filled in per process) and wait until every replica serves; a worker that dies during startup
-        raises with the tail of its log."""
+        raises with the tail of its log.
+
+        ``ring``: calls through a shared-memory ring of ``ring_chunks`` chunks of ``ring_chunk_bytes``
+        (False: over the ipc socket to each worker); ``ring_spin_s``: how long an idle worker polls the
+        ring before it sleeps on its wake-up FIFO (default: `shm_ring.DEFAULT_SPIN_S` when the machine has more
+        cores than workers, else 0). ``restart``: after start-up, a replica that lost a rank is
+        restarted after ``restart_backoff_s``, doubled with each failure in a row up to
+        ``restart_backoff_max_s`` (a replica that ran that long before failing starts from the base again)."""
         self._dir = Path(tempfile.mkdtemp(prefix="iwg-"))
-        self.processes: list[WorkerProcess] = []
-        self._exited: set[int] = set()
+        self._config = config
+        self._worker_cls = worker_cls
+        self._worker_extension_cls = worker_extension_cls
+        self._extra_env = dict(extra_env or {})
+        # Polling only pays while every worker and the caller have a core of their own; else it takes the
+        # core from the process it waits for.
+        spare_cores = (os.cpu_count() or 1) > replicas * world_size
+        self._ring_spin_s = ring_spin_s if ring_spin_s is not None else (None if spare_cores else 0.0)
+        self._procs: dict[tuple[int, int], WorkerProcess] = {}
+        self._exited: set[tuple[int, int]] = set()
+        self._restart = _RestartPolicy(restart_backoff_s, restart_backoff_max_s)
+        self._restarting = False  # set once every replica served the first time
+        self._ring: shm_ring.RingWriter | None = None
+        if ring:
+            self._ring = _make_ring(replicas * world_size, self._dir, ring_chunks, ring_chunk_bytes)
         super().__init__(
             f"ipc://{self._dir}/rpc",
             f"ipc://{self._dir}/response",
@@ -140,38 +177,61 @@ class MultiprocExecutor(RemoteExecutor):
         )
         try:
             for replica in range(replicas):
-                master_port = free_port() if world_size > 1 else None
-                for rank in range(world_size):
-                    rank_config = WorkerConfig(
-                        task=config.task,
-                        model_path=config.model_path,
-                        served_name=config.served_name,
-                        device=config.device,
-                        dtype=config.dtype,
-                        group=config.group,
-                        replica=replica,
-                        rank=rank,
-                        world_size=world_size,
-                    )
-                    env = worker_env(
-                        rank_config,
-                        self.rpc_endpoint,
-                        self.response_endpoint,
-                        worker_cls=worker_cls,
-                        worker_extension_cls=worker_extension_cls,
-                        heartbeat_interval_s=heartbeat_interval_s,
-                        master_addr="127.0.0.1" if world_size > 1 else None,
-                        master_port=master_port,
-                    )
-                    env.update(extra_env or {})
-                    log_path = self._dir / f"worker-r{replica}-k{rank}.log"
-                    self.processes.append(
-                        WorkerProcess(replica, rank, launch_worker(env, log_path), log_path)
-                    )
+                self._launch_replica(replica)
             self._wait_started(startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+        self._restarting = restart
+
+    @property
+    def processes(self) -> list[WorkerProcess]:
+        return list(self._procs.values())
+
+    @property
+    def uses_shm_ring(self) -> bool:
+        return self._ring is not None
+
+    def _reader(self, replica: int, rank: int) -> int:
+        return replica * self.world_size + rank
+
+    def _launch_replica(self, replica: int) -> None:
+        master_port = free_port() if self.world_size > 1 else None
+        config = self._config
+        for rank in range(self.world_size):
+            rank_config = WorkerConfig(
+                task=config.task,
+                model_path=config.model_path,
+                served_name=config.served_name,
+                device=config.device,
+                dtype=config.dtype,
+                group=config.group,
+                replica=replica,
+                rank=rank,
+                world_size=self.world_size,
+            )
+            env = worker_env(
+                rank_config,
+                self.rpc_endpoint,
+                self.response_endpoint,
+                worker_cls=self._worker_cls,
+                worker_extension_cls=self._worker_extension_cls,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                master_addr="127.0.0.1" if self.world_size > 1 else None,
+                master_port=master_port,
+            )
+            env.update(self._extra_env)
+            if self._ring is not None:
+                reader = self._reader(replica, rank)
+                env.update(self._ring.reader_env(reader, self._ring_spin_s))
+                with self._send_lock:
+                    self._ring.admit(reader)
+            log_path = self._dir / f"worker-r{replica}-k{rank}.log"
+            self._procs[(replica, rank)] = WorkerProcess(
+                replica, rank, launch_worker(env, log_path), log_path
+            )
+            self._exited.discard((replica, rank))
+        self._restart.launched(replica)
 
     def _wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -190,23 +250,104 @@ class MultiprocExecutor(RemoteExecutor):
                 if time.monotonic() >= deadline:
                     raise
 
+    # -- calls through the ring ------------------------------------------------------------------------
+
+    def _deliver(
+        self, call_id: int, method: str, frames: list[Any], routes: list[tuple[int, tuple[bytes, ...]]]
+    ) -> None:
+        ring = self._ring
+        if ring is None:
+            super()._deliver(call_id, method, frames, routes)
+            return
+        readers = [self._reader(r, rank) for r, route in routes for rank in range(len(route))]
+        overflow = not ring.fits(frames)
+        try:
+            dead = ring.write(
+                protocol.encode_overflow(call_id) if overflow else frames,
+                readers,
+                self._reader_alive,
+                timeout=self.heartbeat_timeout_s,
+            )
+        except shm_ring.RingBusyError as exc:
+            self._fail_pending(call_id, exc)
+            return
+        if dead:
+            replica, rank = divmod(dead[0], self.world_size)
+            self._fail_pending(
+                call_id, ReplicaLostError(method, replica, [rank], "its process died while the call was sent")
+            )
+            return
+        if overflow:  # the ring holds its place in the order; the frames go on the socket
+            super()._deliver(call_id, method, frames, routes)
+
+    def _reader_alive(self, reader: int) -> bool:
+        wp = self._procs.get(divmod(reader, self.world_size))
+        return wp is not None and wp.process.poll() is None
+
+    def _member_left(
+        self, replica: int, rank: int, reason: str, last_call: int | Literal[False] | None = False
+    ) -> None:
+        if self._ring is not None:
+            self._ring.exclude(self._reader(replica, rank))  # the writer stops waiting on it at once
+        super()._member_left(replica, rank, reason, last_call)
+        wp = self._procs.get((replica, rank))
+        if (
+            last_call is False
+            and self._restarting
+            and not self._closed.is_set()
+            and wp is not None
+            and wp.process.poll() is None
+        ):
+            # Silent but running (no heartbeat, or its connection went): it may still read the ring, which
+            # no longer waits for it. Stop it; the exit brings the replica back through a restart.
+            log.warning(
+                "killing worker replica %d rank %d (pid %d): %s", replica, rank, wp.process.pid, reason
+            )
+            wp.process.kill()
+
+    # -- processes -------------------------------------------------------------------------------------
+
     def _on_tick(self) -> None:
-        for index, wp in enumerate(self.processes):
-            if index in self._exited:
+        now = time.monotonic()
+        for key, wp in list(self._procs.items()):
+            if key in self._exited:
                 continue
             code = wp.process.poll()
             if code is not None:
-                self._exited.add(index)
-                self._member_left(wp.replica, wp.rank, f"process {wp.process.pid} exited with code {code}")
+                self._exited.add(key)
+                self._member_left(key[0], key[1], f"process {wp.process.pid} exited with code {code}")
+                if self._restarting and not self._closed.is_set():
+                    self._schedule_restart(key[0], now)
+        for replica in self._restart.due(now):
+            ranks = [(replica, k) for k in range(self.world_size)]
+            if all(k in self._exited for k in ranks):
+                self._launch_replica(replica)
+            else:
+                self._restart.postpone(replica, now + _TICK_S)
+
+    def _schedule_restart(self, replica: int, now: float) -> None:
+        delay = self._restart.schedule(replica, now)
+        if delay is None:
+            return  # already scheduled (another rank of the replica)
+        log.warning("restarting replica %d in %.1f s", replica, delay)
+        for k in range(self.world_size):
+            wp = self._procs[(replica, k)]
+            if wp.process.poll() is None:  # its peers: a torch.distributed group cannot take a new member
+                wp.process.kill()
+
+    def restarts(self, replica: int) -> int:
+        """How many times ``replica`` was restarted."""
+        return self._restart.count.get(replica, 0)
 
     def worker_process(self, replica: int, rank: int) -> WorkerProcess:
-        for wp in self.processes:
-            if (wp.replica, wp.rank) == (replica, rank):
-                return wp
-        raise KeyError(f"no worker process for replica {replica} rank {rank}")
+        wp = self._procs.get((replica, rank))
+        if wp is None:
+            raise KeyError(f"no worker process for replica {replica} rank {rank}")
+        return wp
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every worker (each drains and says goodbye), wait up to ``grace_s``, then kill."""
+        self._restarting = False
         for wp in self.processes:
             if wp.process.poll() is None:
                 wp.process.send_signal(signal.SIGTERM)
@@ -219,4 +360,61 @@ class MultiprocExecutor(RemoteExecutor):
                 wp.process.kill()
                 wp.process.wait()
         super().shutdown()
+        if self._ring is not None:
+            self._ring.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_TICK_S = 0.02
+
+
+def _make_ring(readers: int, directory: Path, chunks: int, chunk_bytes: int) -> shm_ring.RingWriter | None:
+    if readers > shm_ring.MAX_READERS:
+        log.warning(
+            "%d workers: more than a ring's %d readers; calls go over the sockets",
+            readers,
+            shm_ring.MAX_READERS,
+        )
+        return None
+    try:
+        return shm_ring.RingWriter(readers, directory, chunks, chunk_bytes)
+    except OSError as exc:
+        log.warning("no shared-memory ring (%s); calls go over the sockets", exc)
+        return None
+
+
+@dataclass
+class _RestartPolicy:
+    """When to restart a replica: a backoff that doubles with each failure in a row."""
+
+    base_s: float
+    max_s: float
+    failures: dict[int, int] = field(default_factory=dict)
+    launched_at: dict[int, float] = field(default_factory=dict)
+    pending: dict[int, float] = field(default_factory=dict)  # replica -> monotonic restart time
+    count: dict[int, int] = field(default_factory=dict)
+
+    def launched(self, replica: int) -> None:
+        if replica in self.launched_at:
+            self.count[replica] = self.count.get(replica, 0) + 1
+        self.launched_at[replica] = time.monotonic()
+
+    def schedule(self, replica: int, now: float) -> float | None:
+        if replica in self.pending:
+            return None
+        if now - self.launched_at.get(replica, now) >= self.max_s:
+            self.failures[replica] = 0  # it ran long enough: this failure starts a new series
+        failures = self.failures.get(replica, 0)
+        delay = min(self.max_s, self.base_s * float(2**failures))
+        self.failures[replica] = failures + 1
+        self.pending[replica] = now + delay
+        return delay
+
+    def due(self, now: float) -> list[int]:
+        due = [r for r, at in self.pending.items() if now >= at]
+        for r in due:
+            del self.pending[r]
+        return due
+
+    def postpone(self, replica: int, at: float) -> None:
+        self.pending[replica] = at

@@ -240,17 +240,22 @@ class RemoteExecutor(Executor):
                         raise ReplicaUnavailableError(method, r, missing or list(range(self.world_size)))
                     routes.append((r, route))
                 self._pending[call_id] = pending
-            for r, route in routes:
-                for rank, routing_id in enumerate(route):
-                    try:
-                        self._rpc.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
-                    except zmq.ZMQError as exc:
-                        # Unreachable or a full queue: this replica cannot take the call now.
-                        self._fail_pending(
-                            call_id, ReplicaLostError(method, r, [rank], f"send failed: {exc}")
-                        )
-                        return future
+            self._deliver(call_id, method, frames, routes)
         return future
+
+    def _deliver(
+        self, call_id: int, method: str, frames: list[Any], routes: list[tuple[int, tuple[bytes, ...]]]
+    ) -> None:
+        """Send a call's frames to every rank of the routed replicas (the caller holds the send lock); a
+        failed send fails the call. `MultiprocExecutor` writes through its shared-memory ring instead."""
+        for r, route in routes:
+            for rank, routing_id in enumerate(route):
+                try:
+                    self._rpc.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError as exc:
+                    # Unreachable or a full queue: this replica cannot take the call now.
+                    self._fail_pending(call_id, ReplicaLostError(method, r, [rank], f"send failed: {exc}"))
+                    return
 
     def shutdown(self) -> None:
         if self._closed.is_set():
