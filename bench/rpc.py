@@ -1,13 +1,19 @@
 """Worker RPC benchmark: collective_rpc round trips beside raw pyzmq, all measured in one run.
 
-For each executor (UniProc; Multiproc over ipc; Cluster over tcp with CURVE on and off), 1 and 4 workers, and
+For each executor (UniProc; Multiproc through its shared-memory ring, and with ``ring=False`` over ipc
+sockets; Cluster over tcp with CURVE on and off), 1 and 4 workers, and
 64 B / 1 MiB / 16 MiB tensor payloads, it times ``collective_rpc("echo", (tensor,))`` and, right beside it, a
 raw pyzmq ROUTER -> DEALER echo of the same bytes over the same transport (same CURVE setting) to as many
 echo processes. Timings alternate between the two in rounds, so load on the machine hits both alike; the
 table shows medians and the ratio iwg / raw. It also times a proxied call through `WorkerWrapperBase`
 against the same direct call on the worker.
 
-Run: ``python -m bench.rpc`` (about 2-3 minutes on 2 cores, most of it starting 12 worker processes).
+Multiproc, ring against sockets, same run: a 16 MiB broadcast to 4 workers whose replies are a small int
+(the tests' `ProbeExtension.touch` reads a byte of every page), and the CPU time the 4 idle workers
+of each group use over 10 s.
+
+Run: ``python -m bench.rpc`` from the repository root (about 3 minutes on 2 cores, most of it starting 16
+worker processes).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import zmq
 from iwg_worker.executor.base import Executor
@@ -39,11 +46,14 @@ SIZES = {"64 B": 64, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 ITERATIONS = {"64 B": 400, "1 MiB": 60, "16 MiB": 12}
 ROUNDS = 4
 REPLICAS = 4  # groups of 4 one-rank replicas: replica=0 is "1 worker", replica=None is "4 workers"
-# `echo` is a test helper, not a production method: workers get it from the tests' extension class, which
-# the spawned workers (and Ray's actors) import from this checkout.
+# `echo` (and `touch`) are test helpers, not production methods: workers get them from the tests' extension
+# class, which the spawned workers (and Ray's actors) import from this checkout.
 ECHO_EXTENSION = "tests.iwg_worker.extensions.ProbeExtension"
 _ROOT = Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)
+BROADCAST_BYTES = 16 << 20
+BROADCAST_ITERATIONS = 16
+IDLE_S = 10.0
 
 
 # -- raw pyzmq baseline -------------------------------------------------------------------------------------
@@ -289,24 +299,52 @@ def _ray_group() -> tuple[Executor, Callable[[], None]] | None:
     return executor, stop
 
 
+def broadcast(ring: MultiprocExecutor, sockets: MultiprocExecutor) -> tuple[float, float]:
+    """Median seconds of a 16 MiB call to 4 workers with small replies: through the ring, through sockets."""
+    tensor = torch.ones(BROADCAST_BYTES, dtype=torch.uint8)
+    expected = [[BROADCAST_BYTES // 4096]] * REPLICAS
+
+    def call(executor: MultiprocExecutor) -> Callable[[], None]:
+        def run() -> None:
+            result = executor.collective_rpc("touch", (tensor,), timeout=60)
+            assert result == expected, result
+
+        return run
+
+    return compare(call(ring), call(sockets), BROADCAST_ITERATIONS)
+
+
+def idle_cpu(groups: dict[str, MultiprocExecutor], seconds: float) -> dict[str, float]:
+    """CPU seconds each group's workers use together over the same ``seconds`` of doing nothing."""
+    procs = {name: [psutil.Process(wp.process.pid) for wp in ex.processes] for name, ex in groups.items()}
+
+    def used(ps: list[psutil.Process]) -> float:
+        return sum(p.cpu_times().user + p.cpu_times().system for p in ps)
+
+    before = {name: used(ps) for name, ps in procs.items()}
+    time.sleep(seconds)
+    return {name: used(ps) - before[name] for name, ps in procs.items()}
+
+
 def main() -> None:
     started = time.monotonic()
+    load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="iwg-bench-"))
     keys = CurveKeys.generate()
     curve_dir = str(keys.save(root / "raw-curve"))
-    print(f"starting {3 * REPLICAS} worker processes and {3 * REPLICAS} raw echo processes ...", flush=True)
+    print(f"starting {4 * REPLICAS} worker processes and {3 * REPLICAS} raw echo processes ...", flush=True)
     clusters: dict[str, tuple[ClusterExecutor, list[subprocess.Popen[bytes]]]] = {}
     raws: dict[str, RawGroup] = {}
-    multiproc = uniproc = None
+    multiproc = multiproc_sockets = uniproc = None
     rows: list[Row] = []
     try:
         # Start everything first; the cluster groups' workers load while Multiproc waits for its own.
         clusters["tcp + CURVE"] = _cluster_group(root / "curve", keys, 2.0)
         clusters["tcp, no CURVE"] = _cluster_group(root / "plain", None, 2.0)
-        multiproc = MultiprocExecutor(
-            WorkerConfig(task="none", device="cpu", group="bench"),
-            replicas=REPLICAS,
-            worker_extension_cls=ECHO_EXTENSION,
+        bench_config = WorkerConfig(task="none", device="cpu", group="bench")
+        multiproc = MultiprocExecutor(bench_config, replicas=REPLICAS, worker_extension_cls=ECHO_EXTENSION)
+        multiproc_sockets = MultiprocExecutor(
+            bench_config, replicas=REPLICAS, worker_extension_cls=ECHO_EXTENSION, ring=False
         )
         for executor, _ in clusters.values():
             executor.wait_until_serving(timeout=600)
@@ -321,7 +359,10 @@ def main() -> None:
             WorkerConfig(task="none", device="cpu"), worker_extension_cls=ECHO_EXTENSION
         )
         rows += measure_executor("UniProc", "in-process (raw: ipc)", uniproc, raws["ipc"], (1,))
-        rows += measure_executor("Multiproc", "ipc", multiproc, raws["ipc"], (1, 4))
+        rows += measure_executor("Multiproc", "shm ring", multiproc, raws["ipc"], (1, 4))
+        rows += measure_executor("Multiproc", "ipc sockets", multiproc_sockets, raws["ipc"], (1, 4))
+        ring_s, sockets_s = broadcast(multiproc, multiproc_sockets)
+        idle = idle_cpu({"shm ring": multiproc, "ipc sockets": multiproc_sockets}, IDLE_S)
         for transport, (executor, _) in clusters.items():
             rows += measure_executor("Cluster", transport, executor, raws[transport], (1, 4))
         # Ray last: its processes start only now, so they do not load the machine during the rows above.
@@ -337,8 +378,9 @@ def main() -> None:
     finally:
         if uniproc is not None:
             uniproc.shutdown()
-        if multiproc is not None:
-            multiproc.shutdown()
+        for group in (multiproc, multiproc_sockets):
+            if group is not None:
+                group.shutdown()
         for executor, procs in clusters.values():
             for proc in procs:
                 proc.terminate()
@@ -353,23 +395,49 @@ def main() -> None:
     print()
     print(_table(proxy_rows, ["call", "ns per call", "vs direct (same style)"]))
     print()
-    small = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor not in ("UniProc", "Ray")]
+
+    def ratio(transport: str, workers: int) -> float:
+        row = next(r for r in rows if (r.transport, r.workers, r.payload) == (transport, workers, "64 B"))
+        return row.iwg_s / row.raw_s
+
+    print(
+        f"Multiproc through the shm ring, 64 B, iwg / raw pyzmq: {ratio('shm ring', 4):.2f}x to 4 workers "
+        f"(target <= 1.0x), {ratio('shm ring', 1):.2f}x to 1 (target <= 1.2x); over ipc sockets "
+        f"{ratio('ipc sockets', 4):.2f}x and {ratio('ipc sockets', 1):.2f}x"
+    )
+    mb = BROADCAST_BYTES * REPLICAS / 1e6
+    print(
+        f"16 MiB broadcast to {REPLICAS} workers: ring {ring_s * 1e3:,.1f} ms ({mb / ring_s:,.0f} MB/s), "
+        f"sockets {sockets_s * 1e3:,.1f} ms ({mb / sockets_s:,.0f} MB/s): "
+        f"{sockets_s / ring_s:.2f}x the bandwidth (target >= 2x)"
+    )
+    print(
+        f"idle CPU of {REPLICAS} workers over {IDLE_S:g} s: "
+        + ", ".join(f"{name} {used / IDLE_S * 100:.2f}% of a core" for name, used in idle.items())
+        + " (target < 5%)"
+    )
+    cluster = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor == "Cluster"]
     large = [
-        r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor not in ("UniProc", "Ray")
+        r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor in ("Multiproc", "Cluster")
     ]
     print(
-        f"64 B overhead vs raw pyzmq: {min(small):.2f}x .. {max(small):.2f}x (target <= 1.3x); "
-        f"16 MiB bandwidth vs raw: {min(large):.2f} .. {max(large):.2f} (target >= 0.7)"
+        f"Cluster 64 B overhead vs raw pyzmq: {min(cluster):.2f}x .. {max(cluster):.2f}x; "
+        f"16 MiB echo bandwidth vs raw: {min(large):.2f} .. {max(large):.2f}"
     )
-    multiproc_s = {(r.workers, r.payload): r.iwg_s for r in rows if r.executor == "Multiproc"}
+    multiproc_s = {(r.workers, r.payload): r.iwg_s for r in rows if r.transport == "shm ring"}
     ray_vs = [
         f"{r.workers} worker(s) {r.payload} {r.iwg_s / multiproc_s[(r.workers, r.payload)]:.1f}x"
         for r in rows
         if r.executor == "Ray" and (r.workers, r.payload) in multiproc_s
     ]
     if ray_vs:
-        print("Ray round trip / Multiproc (ZMQ ipc) round trip: " + ", ".join(ray_vs))
-    print(f"total {time.monotonic() - started:.0f} s on {os.cpu_count()} cores")
+        print("Ray round trip / Multiproc (shm ring) round trip: " + ", ".join(ray_vs))
+    load_end = os.getloadavg()
+    print(
+        f"total {time.monotonic() - started:.0f} s on {os.cpu_count()} cores; load average (1, 5, 15 min) "
+        f"{load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f} at the start, "
+        f"{load_end[0]:.1f} {load_end[1]:.1f} {load_end[2]:.1f} at the end"
+    )
 
 
 if __name__ == "__main__":

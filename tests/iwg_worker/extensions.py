@@ -24,7 +24,27 @@ class ProbeExtension:
         time.sleep(seconds)
         return seconds
 
+    def touch(self, tensor: Any) -> int:
+        """Read one byte of every 4 KiB page of ``tensor`` and answer with a small int (bench/rpc.py's
+        broadcast rows: the worker has the data in reach, and the reply does not carry it back)."""
+        return int(tensor.reshape(-1)[::4096].sum())
+
 
 class ClashingExtension:
     def check_health(self) -> dict[str, Any]:
         return {}
+
+
+class RingProbeExtension(ProbeExtension):
+    """Methods the shared-memory ring tests call: holding an argument during a call, and call order."""
+
+    def hold(self, tensor: Any, seconds: float) -> int:
+        """Keep ``tensor`` (a view into the ring when it came through one) for ``seconds``, then answer."""
+        time.sleep(seconds)
+        return int(tensor.reshape(-1)[::4096].sum())
+
+    def record(self, value: Any) -> list[int]:
+        """Append an id (or a tensor's first element) to this worker's log and return the log."""
+        log: list[int] = self.__dict__.setdefault("_ring_test_log", [])
+        log.append(int(value.reshape(-1)[0]) if hasattr(value, "reshape") else int(value))
+        return list(log)

@@ -403,8 +403,8 @@ class WorkerProc:
             held = ring.release_held()
             if now - active < ring.spin_s:
                 continue
-            ring.wait(0.001 if held else 0.1, also=sleep)  # held chunks: look again soon
-            active = time.monotonic()
+            if ring.wait(0.001 if held else 0.1, also=sleep):  # held chunks: look again soon
+                active = time.monotonic()
 
     def _take_socket_message(self) -> None:
         try:

@@ -1,0 +1,296 @@
+"""The shared-memory ring under MultiprocExecutor: the ring itself (writer and readers in this process,
+fuzzed contents), then real worker processes reading it (a killed reader, restarts, idle readers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from iwg_worker import protocol
+from iwg_worker.executor import ReplicaLostError
+from iwg_worker.executor.multiproc import MultiprocExecutor
+from iwg_worker.executor.shm_ring import (
+    RingBusyError,
+    RingMessage,
+    RingReader,
+    RingReadError,
+    RingWriter,
+)
+from iwg_worker.worker_base import WorkerConfig
+
+EXT = "tests.iwg_worker.extensions.RingProbeExtension"
+HEARTBEAT_S = 0.5
+CHUNK = 256 << 10
+
+
+def alive(_reader: int) -> bool:
+    return True
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Iterator[tuple[RingWriter, list[RingReader]]]:
+    writer = RingWriter(3, tmp_path, n_chunks=4, chunk_bytes=CHUNK)
+    readers = []
+    for r in range(3):
+        writer.admit(r)
+        readers.append(RingReader(writer.path, r, str(writer.wake_paths[r]), spin_s=0))
+    yield writer, readers
+    for reader in readers:
+        reader.close()
+    writer.close()
+
+
+def take(reader: RingReader) -> RingMessage:
+    message = reader.poll()
+    assert message is not None
+    return message
+
+
+def test_one_write_reaches_each_addressed_reader_as_a_view_of_the_ring(
+    ring: tuple[RingWriter, list[RingReader]],
+) -> None:
+    writer, readers = ring
+    tensor = torch.arange(20_000, dtype=torch.float32)  # 80 KB: a frame of its own, not inline
+    array = np.arange(5_000, dtype=np.int64)
+    writer.write(protocol.encode_call(7, "m", (tensor, array)), [0, 2], alive, timeout=1)
+    for reader in (readers[0], readers[2]):
+        message = take(reader)
+        call = protocol.decode(message.frames)
+        assert isinstance(call, protocol.Call) and call.id == 7
+        got = call.args[0]
+        assert torch.equal(got, tensor)
+        # No copy: the tensor's memory is inside this reader's mapping of the ring, and read-only.
+        mapping = np.frombuffer(reader._mmap, np.uint8)
+        start = mapping.ctypes.data
+        assert start <= got.data_ptr() < start + mapping.nbytes
+        assert np.array_equal(call.args[1], array)
+        assert not call.args[
+            1
+        ].flags.writeable  # workers get read-only views: one reader cannot touch another's
+        del call, got, mapping
+        assert message.release()
+    assert readers[1].poll() is None  # not addressed to reader 1
+
+
+def test_a_kept_tensor_holds_its_chunk_until_dropped(ring: tuple[RingWriter, list[RingReader]]) -> None:
+    writer, readers = ring
+    big = torch.ones(CHUNK // 8, dtype=torch.uint8)
+    writer.write(protocol.encode_call(1, "m", (big,)), [0], alive, timeout=1)
+    message = take(readers[0])
+    kept = protocol.decode(message.frames).args[0]  # type: ignore[union-attr]
+    assert not message.release()
+    readers[0].hold(message)
+    for i in range(2, 5):  # the other chunks
+        writer.write(protocol.encode_ping(i), [1], alive, timeout=1)
+    with pytest.raises(RingBusyError, match=r"held by reader\(s\) \[0\]"):
+        writer.write(protocol.encode_ping(5.0), [1], alive, timeout=0.2)
+    assert int(kept.sum()) == CHUNK // 8  # still intact
+    del kept
+    assert readers[0].release_held() == 0
+    writer.write(protocol.encode_ping(5.0), [1], alive, timeout=0.2)
+
+
+def test_a_dead_reader_does_not_block_the_writer(ring: tuple[RingWriter, list[RingReader]]) -> None:
+    writer, readers = ring
+    writer.write(protocol.encode_ping(0.0), [0, 1], alive, timeout=1)
+    take(readers[0]).release()  # reader 1 never reads: it "died" holding chunk 0
+    for i in range(3):
+        writer.write(protocol.encode_ping(i), [0], alive, timeout=1)
+        take(readers[0]).release()
+    with pytest.raises(RingBusyError):
+        writer.write(protocol.encode_ping(9.0), [0], alive, timeout=0.1)
+    dead = writer.write(protocol.encode_ping(9.0), [0], lambda r: r != 1, timeout=1)
+    assert dead == [1]
+    assert not writer.admitted(1)
+    assert isinstance(protocol.decode(take(readers[0]).frames), protocol.Ping)
+
+
+def test_a_readmitted_reader_skips_what_was_written_for_its_predecessor(
+    ring: tuple[RingWriter, list[RingReader]],
+) -> None:
+    writer, _readers = ring
+    writer.write(protocol.encode_call(1, "old", ()), [1], alive, timeout=1)
+    writer.exclude(1)
+    writer.admit(1)
+    successor = RingReader(writer.path, 1, str(writer.wake_paths[1]), spin_s=0)
+    try:
+        assert successor.poll() is None
+        writer.write(protocol.encode_call(2, "new", ()), [1], alive, timeout=1)
+        call = protocol.decode(take(successor).frames)
+        assert isinstance(call, protocol.Call) and call.method == "new"
+    finally:
+        successor.close()
+
+
+def test_a_reader_falls_asleep_and_is_woken_by_the_writer(ring: tuple[RingWriter, list[RingReader]]) -> None:
+    writer, readers = ring
+    started = time.monotonic()
+    assert not readers[0].wait(0.2)  # nothing written: sleeps the whole timeout
+    assert time.monotonic() - started >= 0.19
+    writer.write(protocol.encode_ping(1.0), [0], alive, timeout=1)
+    started = time.monotonic()
+    assert readers[0].wait(5)
+    assert time.monotonic() - started < 2
+    assert readers[1].poll() is None  # not addressed: skipped,
+    assert not readers[1].wait(0.05)  # and not woken
+
+
+words = st.integers(min_value=0, max_value=2**64 - 1)
+small_or_any = st.one_of(st.integers(min_value=0, max_value=8), words)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    written=st.lists(small_or_any, min_size=4, max_size=4),
+    targets=st.lists(small_or_any, min_size=4, max_size=4),
+    frame_words=st.lists(st.tuples(st.integers(min_value=0, max_value=3), small_or_any), max_size=6),
+    writes=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=4 * 8192 - 512), st.binary(min_size=1, max_size=512)),
+        max_size=8,
+    ),
+)
+@example(written=[2**64 - 1] * 4, targets=[1] * 4, frame_words=[], writes=[])  # far ahead everywhere
+@example(written=[1, 2, 3, 4], targets=[1] * 4, frame_words=[(0, 2**64 - 1)], writes=[])  # frame count
+@example(written=[1, 2, 3, 4], targets=[1] * 4, frame_words=[(0, 3), (2, 2**63)], writes=[])  # length
+def test_fuzzed_ring_contents_never_crash_or_hang_a_reader(
+    tmp_path: Path,
+    written: list[int],
+    targets: list[int],
+    frame_words: list[tuple[int, int]],
+    writes: list[tuple[int, bytes]],
+) -> None:
+    root = tmp_path / f"r{time.monotonic_ns()}"
+    root.mkdir()
+    writer = RingWriter(2, root, n_chunks=4, chunk_bytes=8192)
+    writer.admit(0)
+    reader = RingReader(writer.path, 0, str(writer.wake_paths[0]), spin_s=0)
+    try:
+        writer.write(protocol.encode_call(1, "m", (np.arange(1000, dtype=np.int32),)), [0], alive, timeout=1)
+        layout = writer.layout
+        # Junk in the written flags, the target masks, chunk 0's frame count and lengths, and the bytes.
+        for chunk in range(layout.n_chunks):
+            writer._words[layout.written_word(chunk)] = written[chunk]
+            writer._words[layout.targets_word(chunk)] = targets[chunk]
+        for index, value in frame_words:
+            writer._words[layout.chunk_offset(0) // 8 + index] = value
+        for offset, data in writes:
+            start = layout.data_offset + offset
+            writer._bytes[start : start + len(data)] = data
+        started = time.monotonic()
+        outcomes = []
+        for _ in range(2 * layout.n_chunks):
+            try:
+                message = reader.poll()
+            except RingReadError:
+                outcomes.append("rejected")
+                continue
+            if message is None:
+                outcomes.append("nothing")
+                continue
+            try:
+                protocol.decode(message.frames)
+                outcomes.append("message")
+            except protocol.ProtocolError:
+                outcomes.append("rejected")
+            message.release()
+        reader.wait(0.001)  # returns, whatever the FIFO and the flags say
+        assert time.monotonic() - started < 5, outcomes
+    finally:
+        reader.close()
+        writer.close()
+
+
+# -- real workers --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[MultiprocExecutor]:
+    """Two one-rank replicas of ``task: none`` workers on a ring of 2 small chunks, so it wraps quickly."""
+    executor = MultiprocExecutor(
+        WorkerConfig(task="none", device="cpu", group="ring"),
+        replicas=2,
+        worker_extension_cls=EXT,
+        heartbeat_interval_s=HEARTBEAT_S,
+        startup_timeout_s=300,
+        ring_chunks=2,
+        ring_chunk_bytes=CHUNK,
+        restart_backoff_s=0.5,
+        restart_backoff_max_s=30,
+    )
+    assert executor.uses_shm_ring
+    yield executor
+    executor.shutdown()
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def test_idle_workers_sleep_instead_of_spinning(group: MultiprocExecutor) -> None:
+    group.collective_rpc("record", (0,), timeout=30)  # each worker just read the ring, then idles
+    time.sleep(0.5)
+    pids = [wp.process.pid for wp in group.processes]
+    before = [cpu_seconds(pid) for pid in pids]
+    time.sleep(2.0)
+    used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+    # A worker polling the ring would use most of a core (at least a fifth of one on a loaded machine);
+    # one asleep on its FIFO wakes 10 times a second and to send its heartbeats.
+    assert all(u < 0.1 for u in used), used
+
+
+def test_calls_too_large_for_a_chunk_go_on_the_socket_in_their_place(group: MultiprocExecutor) -> None:
+    big = 1 << 20  # 4x a chunk
+    futures = []
+    for i in range(1, 7):
+        value: Any = torch.full((big,), i, dtype=torch.uint8) if i % 2 else i
+        futures.append(group.collective_rpc_future("record", (value,), timeout=60, replica=0))
+    logs = [f.result(60)[0] for f in futures]
+    assert logs[-1][-6:] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigkilled_worker_mid_read_fails_its_calls_the_other_keeps_serving_and_it_comes_back(
+    group: MultiprocExecutor,
+) -> None:
+    group.wait_until_serving(timeout=60)
+    victim = group.worker_process(1, 0).process
+    tensor = torch.ones(64 << 10, dtype=torch.uint8)  # a view into the ring while the call runs
+    pending = group.collective_rpc_future("hold", (tensor, 30.0), timeout=60, replica=1)
+    time.sleep(0.5)
+    victim.kill()
+    killed_at = time.monotonic()
+    with pytest.raises(ReplicaLostError, match="exited with code -9"):
+        pending.result(timeout=30)
+    assert time.monotonic() - killed_at < group.heartbeat_timeout_s
+    # The ring wraps many times past the chunk the dead worker held.
+    for _i in range(20):
+        assert group.collective_rpc("hold", (tensor, 0.0), timeout=10, replica=0) == [16]
+    group.wait_until_serving([1], timeout=120)
+    assert group.restarts(1) >= 1
+    assert group.worker_process(1, 0).process.pid != victim.pid
+    assert group.collective_rpc("hold", (tensor, 0.0), timeout=30, replica=1) == [16]
+
+
+def test_restarts_back_off(group: MultiprocExecutor) -> None:
+    group.wait_until_serving(timeout=120)
+    delays = []
+    for _ in range(2):
+        old = group.worker_process(0, 0).process
+        old.kill()
+        killed_at = time.monotonic()
+        while group.worker_process(0, 0).process is old:
+            time.sleep(0.01)
+        delays.append(time.monotonic() - killed_at)
+        group.wait_until_serving([0], timeout=120)
+    # Each failure in a row doubles the wait: 0.5 s, then 1 s (the replica ran far less than the 30 s cap).
+    assert delays[0] >= 0.5
+    assert delays[1] >= 1.0, delays
+    assert group.collective_rpc("record", (1,), timeout=30, replica=0)[0][-1] == 1
