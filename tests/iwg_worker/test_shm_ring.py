@@ -3,6 +3,8 @@ fuzzed contents), then real worker processes reading it (a killed reader, restar
 
 from __future__ import annotations
 
+import pickle
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from iwg_worker import protocol
 from iwg_worker.executor import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
+from iwg_worker.executor.multiproc import _make_ring as make_ring
 from iwg_worker.executor.shm_ring import (
     RingBusyError,
     RingMessage,
@@ -24,7 +27,10 @@ from iwg_worker.executor.shm_ring import (
     RingReadError,
     RingWriter,
 )
+from iwg_worker.executor.shm_ring import _shm_dir as shm_dir
 from iwg_worker.worker_base import WorkerConfig
+
+from .test_executors import _health_port, _metric
 
 EXT = "tests.iwg_worker.extensions.RingProbeExtension"
 HEARTBEAT_S = 0.5
@@ -208,6 +214,18 @@ def test_fuzzed_ring_contents_never_crash_or_hang_a_reader(
         writer.close()
 
 
+def test_a_ring_that_cannot_be_had_leaves_the_calls_on_the_sockets(tmp_path: Path) -> None:
+    before = set(Path(shm_dir()).iterdir())
+    with pytest.raises(OSError):
+        RingWriter(1, tmp_path, n_chunks=1, chunk_bytes=1 << 50)  # more than any /dev/shm holds
+    assert set(Path(shm_dir()).iterdir()) == before  # nothing left behind
+    assert make_ring(1, tmp_path, 1, 1 << 50) is None
+    assert make_ring(65, tmp_path, 1, 4096) is None  # more readers than a mask has bits
+    ring = make_ring(64, tmp_path, 1, 4096)
+    assert ring is not None
+    ring.close()
+
+
 # -- real workers --------------------------------------------------------------------------------------------
 
 
@@ -247,6 +265,26 @@ def test_idle_workers_sleep_instead_of_spinning(group: MultiprocExecutor) -> Non
     assert all(u < 0.1 for u in used), used
 
 
+def test_malformed_messages_in_the_ring_are_rejected_counted_and_the_worker_keeps_serving(
+    group: MultiprocExecutor,
+) -> None:
+    port = _health_port(group, 0)  # type: ignore[arg-type]
+    before = _metric(port, "iwg_worker_rejected_messages_total")
+    junk = [
+        [b"junk"],
+        [pickle.dumps({"kind": "call", "method": "record"})],
+        [*protocol.encode_ping(1.0)[:1], b"extra frame"],
+    ]
+    ring = group._ring
+    assert ring is not None
+    for frames in junk:
+        with group._send_lock:
+            ring.write(frames, [0], alive, timeout=5)
+    assert group.collective_rpc("record", (5,), timeout=30, replica=0)[0][-1] == 5
+    assert _metric(port, "iwg_worker_rejected_messages_total") - before == len(junk)
+    assert "rejected a malformed message" in group.worker_process(0, 0).log_path.read_text()
+
+
 def test_calls_too_large_for_a_chunk_go_on_the_socket_in_their_place(group: MultiprocExecutor) -> None:
     big = 1 << 20  # 4x a chunk
     futures = []
@@ -277,6 +315,23 @@ def test_sigkilled_worker_mid_read_fails_its_calls_the_other_keeps_serving_and_i
     assert group.restarts(1) >= 1
     assert group.worker_process(1, 0).process.pid != victim.pid
     assert group.collective_rpc("hold", (tensor, 0.0), timeout=30, replica=1) == [16]
+
+
+def test_a_worker_that_stops_heartbeating_is_killed_and_comes_back(group: MultiprocExecutor) -> None:
+    group.wait_until_serving(timeout=120)
+    stopped = group.worker_process(1, 0).process
+    stopped.send_signal(signal.SIGSTOP)  # alive, but silent
+    try:
+        deadline = time.monotonic() + 120
+        while group.worker_process(1, 0).process is stopped:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+    group.wait_until_serving([1], timeout=120)
+    assert group.collective_rpc("record", (3,), timeout=30, replica=1)[0][-1] == 3
 
 
 def test_restarts_back_off(group: MultiprocExecutor) -> None:

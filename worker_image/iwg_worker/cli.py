@@ -3,7 +3,8 @@
 The manifest is validated by the operator's own models (`iwg_operator.api.v1alpha1.load_manifest`), so a
 manifest `iwg serve` accepts is one the API server accepts. The group runs as it would in a cluster: a
 driver (HTTP, batching, routing) and `replicas x worldSize` `iwg-worker` processes, spawned by
-`MultiprocExecutor` and reached over ZMQ ipc. With ``--executor ray`` the ranks are Ray actors instead
+`MultiprocExecutor` and reached through its shared-memory ring and ZMQ ipc; a replica that loses a worker
+is restarted after ``spec.health``'s backoff. With ``--executor ray`` the ranks are Ray actors instead
 (`RayExecutor`, the ``ray`` extra), on a local Ray or the cluster at ``--ray-address``.
 """
 
@@ -192,6 +193,10 @@ def _start_workers(
         heartbeat_interval_s=args.heartbeat_interval or wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
         startup_timeout_s=args.startup_timeout,
         extra_env=extra_env,
+        # A replica that loses a worker comes back as the operator would bring it back: spec.health's backoff.
+        restart=spec.health.max_restarts > 0,
+        restart_backoff_s=float(spec.health.backoff_seconds),
+        restart_backoff_max_s=float(spec.health.max_backoff_seconds),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
+from iwg_operator.api.v1alpha1 import load_manifest
 from openai import OpenAI
 
 from tests.iwg_worker.driver.conftest import ADMIN_TOKEN, ROOT, Served, minilm_path, subprocess_env
@@ -348,3 +351,45 @@ def test_iwg_serve_refuses_a_directory_that_is_not_a_model_before_starting_worke
     for word in words:
         assert word in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "starting" not in result.stderr, result.stderr
+
+
+def readyz(url: str) -> tuple[int, list[int]]:
+    status, body = post(url, None, "GET", "/readyz")
+    return status, body["serving_replicas"]
+
+
+def worker_pids(served: Served) -> list[int]:
+    """The running worker processes of ``iwg serve`` (not a killed one the executor has yet to reap)."""
+    pids = []
+    for p in psutil.Process(served.process.pid).children(recursive=True):
+        try:
+            if "iwg_worker.worker_proc" in p.cmdline():
+                pids.append(p.pid)
+        except psutil.Error:  # gone, or a zombie
+            continue
+    return pids
+
+
+def test_a_killed_worker_comes_back_and_readyz_says_which_replicas_serve(
+    served_minilm: Served, reference: np.ndarray[Any, Any]
+) -> None:
+    # Last in this module: it takes the group's only worker away for a while.
+    backoff = load_manifest(ROOT / "examples" / "minilm.yaml").spec.health.backoff_seconds
+    assert readyz(served_minilm.url) == (200, [0])
+    [pid] = worker_pids(served_minilm)
+    psutil.Process(pid).kill()
+    killed_at = time.monotonic()
+    states = [readyz(served_minilm.url)]
+    respawned_after = None
+    deadline = killed_at + 300
+    while states[-1] != (200, [0]) or not states.count((503, [])):
+        assert time.monotonic() < deadline, states[-5:]
+        time.sleep(0.05)
+        states.append(readyz(served_minilm.url))
+        if respawned_after is None and [p for p in worker_pids(served_minilm) if p != pid]:
+            respawned_after = time.monotonic() - killed_at
+    [new_pid] = worker_pids(served_minilm)
+    assert new_pid != pid
+    assert respawned_after is not None and respawned_after >= backoff  # spec.health.backoffSeconds
+    response = client(served_minilm).embeddings.create(model=MODEL, input=SENTENCES[0])
+    assert float(np.dot(response.data[0].embedding, reference[0])) >= 0.9999

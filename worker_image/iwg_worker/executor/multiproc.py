@@ -271,8 +271,9 @@ class MultiprocExecutor(RemoteExecutor):
         except shm_ring.RingBusyError as exc:
             self._fail_pending(call_id, exc)
             return
-        if dead:
-            replica, rank = divmod(dead[0], self.world_size)
+        lost = [r for r in dead if r in readers]
+        if lost:  # the others the writer stopped waiting for are not this call's business
+            replica, rank = divmod(lost[0], self.world_size)
             self._fail_pending(
                 call_id, ReplicaLostError(method, replica, [rank], "its process died while the call was sent")
             )
