@@ -1,8 +1,11 @@
 """`kubectl scale` (or an HPA) lowering replicas under load: the operator drains the leaving replica in the
-driver before it deletes its pods, so no batch in flight is cut (the driver retries none) and no request fails."""
+driver before it deletes its pods, so no batch in flight is cut (the driver retries none) and no request fails;
+a driver that does not answer holds a scale-down for at most the drain timeout."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 import urllib.request
 from typing import Any
@@ -12,7 +15,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.e2e.harness import Load, eventually, group_manifest, wait_serving
+from tests.e2e.harness import Load, eventually, group_manifest, pod_ready, signal_worker, wait_serving
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
 
@@ -59,3 +62,45 @@ def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
     events = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
     drained = [e.message for e in events if e.reason == "DrainedReplicas"]
     assert len(drained) == 1 and "replicas 1 " in drained[0], drained
+
+
+def test_a_driver_that_does_not_answer_holds_a_scale_down_only_for_the_drain_timeout(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "stuck"
+    control_plane.kubectl(
+        "apply",
+        "-n",
+        workspace,
+        "-f",
+        "-",
+        input=yaml.safe_dump(group_manifest(name, replicas=2, rollout={"drainTimeoutSeconds": 2})),
+    )
+    wait_serving(groups, core, node_agent, name, replicas=2)
+    selector = f"inference.iwg.dev/group={name},app.kubernetes.io/component=driver"
+    driver = next(
+        p for p in core.list_namespaced_pod(workspace, label_selector=selector).items if pod_ready(p)
+    )
+    signal_worker(driver, signal.SIGSTOP)  # still Ready for a while: the drain request is sent and hangs
+    try:
+        started = time.monotonic()
+        control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=1")
+        eventually(
+            lambda: all(
+                p.metadata.deletion_timestamp
+                for p in groups.pods(name)
+                if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+            ),
+            60,
+            "replica 1's pods deleted",
+        )
+        held = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the kubelet's liveness probe may have restarted it
+            signal_worker(driver, signal.SIGCONT)
+    events = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
+    failed = [e.message for e in events if e.reason == "DrainFailed"]
+    assert len(failed) == 1 and "replicas 1 not drained" in failed[0], failed
+    # The drain request waits drainTimeoutSeconds plus 10 s for the driver's answer, then the pods go.
+    assert 2 <= held < 2 + 10 + 15, held
