@@ -1,15 +1,16 @@
-"""A TorchWorker that takes SLOW_BATCH_S longer for every batch, so that a replica always has batches in
-flight under load (`spec.worker.workerCls: tests.e2e.slow_worker.SlowWorker`; the node agent puts the
-repository on PYTHONPATH)."""
+"""A TorchWorker that takes longer for every batch (0.4 s, or E2E_SLOW_BATCH_S from its environment), so that
+a replica always has batches in flight under load (`spec.worker.workerCls: tests.e2e.slow_worker.SlowWorker`;
+the node agent puts the repository on PYTHONPATH)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from iwg_worker.torch_worker import TorchWorker
 
-SLOW_BATCH_S = 0.4
+SLOW_BATCH_S = float(os.environ.get("E2E_SLOW_BATCH_S", "0.4"))
 
 
 class SlowWorker(TorchWorker):

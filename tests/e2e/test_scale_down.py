@@ -24,14 +24,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 MODEL = "all-MiniLM-L6-v2"
 
 
-def retried_batches(address: str) -> float:
-    """The driver's count of batches it retried on another replica because theirs went away."""
+def driver_metric(address: str, series: str) -> float:
+    """The sum of the driver's samples whose line starts with `series` (a name, or a name and labels)."""
     with urllib.request.urlopen(f"http://{address}:8000/metrics", timeout=5) as response:
         text = response.read().decode()
-    values = [
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("iwg_batch_retries_total")
-    ]
-    return sum(values)
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
+
+
+def retried_batches(address: str) -> float:
+    """Batches the driver retried on another replica because theirs went away."""
+    return driver_metric(address, "iwg_batch_retries_total")
 
 
 def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
@@ -104,3 +106,44 @@ def test_a_driver_that_does_not_answer_holds_a_scale_down_only_for_the_drain_tim
     assert len(failed) == 1 and "replicas 1 not drained" in failed[0], failed
     # The drain request waits drainTimeoutSeconds plus 10 s for the driver's answer, then the pods go.
     assert 2 <= held < 2 + 10 + 15, held
+
+
+def replica_state(address: str, replica: int) -> str:
+    """The driver's state of one replica."""
+    for state in ("joining", "serving", "draining", "dead"):
+        if driver_metric(address, f'iwg_replica_state{{replica="{replica}",state="{state}"}}') == 1:
+            return state
+    return "unknown"
+
+
+def test_a_scale_down_undone_while_draining_leaves_the_replica_serving(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "undo"
+    manifest = group_manifest(name, replicas=2)
+    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
+    manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": "8"}]
+    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
+    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    eventually(lambda: replica_state(address, 1) == "serving", 30, "replica 1 serving")
+    replica_1 = {
+        p.metadata.uid for p in groups.pods(name) if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+    }
+    load = Load(address, MODEL, clients=4, inputs=1).start()  # 8 s batches on both replicas
+    eventually(
+        lambda: driver_metric(address, 'iwg_inflight_batches{replica="1"}') >= 1, 20, "a batch on replica 1"
+    )
+
+    control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=1")
+    eventually(lambda: replica_state(address, 1) == "draining", 10, "replica 1 draining")
+    control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=2")
+    eventually(lambda: replica_state(address, 1) == "serving", 40, "replica 1 serving again")
+    load.stop()
+
+    assert {
+        p.metadata.uid
+        for p in groups.live_pods(name)
+        if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+    } == replica_1
+    assert load.failures == [], load.failures[:3]
