@@ -88,6 +88,7 @@ class GroupState:
     decided_generation: int = 0  # the generation whose spec was last accepted or rejected
     invalid: str | None = None  # why the decided spec was rejected; the loop marks the group with it
     drained: set[int] = field(default_factory=set)  # replicas drained in the driver for a scale-down
+    support_refused: str | None = None  # why the supporting objects were refused, until they are applied
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -305,6 +306,9 @@ class Controller:
             done.append(("GangSchedulingUnavailable", status.GANG_NOT_SERVED))
 
         def current_status() -> status.Status:
+            # Supporting objects refused before are not applied until this pass retries them: the status
+            # written first says so, instead of flipping to applied and back.
+            refused = failure or (state.support_refused if children_due else None)
             return status.group_status(
                 group.name,
                 group.generation,
@@ -313,7 +317,7 @@ class Controller:
                 plan,
                 state.current_status,
                 now_rfc3339(),
-                failure,
+                refused,
                 group.spec.scheduling.scheduler_name,
                 self.scheduling_timeout,
                 gang,
@@ -330,8 +334,11 @@ class Controller:
                 async with self._support_slots:
                     await self._ensure_support(group, fresh)
                 state.children_hash = children_hash
+                if state.support_refused is not None:
+                    state.support_refused = None
+                    await self._write_status(state, current_status())
             except ReconcileRefused as error:
-                failure = str(error)
+                failure = state.support_refused = str(error)
                 await self._write_status(state, current_status())
         await self._report_unschedulable(state, pods)
         if failure is not None:

@@ -36,15 +36,29 @@ def retried_batches(address: str) -> float:
     return driver_metric(address, "iwg_batch_retries_total")
 
 
+def serve_slow_group(
+    control_plane: Any,
+    node_agent: NodeAgentProcess,
+    groups: Groups,
+    core: client.CoreV1Api,
+    name: str,
+    batch_seconds: float | None = None,
+) -> str:
+    """Two serving replicas of SlowWorker; returns the driver's address."""
+    manifest = group_manifest(name, replicas=2)
+    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
+    if batch_seconds is not None:
+        manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": f"{batch_seconds:g}"}]
+    control_plane.kubectl("apply", "-n", groups.namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    return wait_serving(groups, core, node_agent, name, replicas=2)
+
+
 def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
     node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
 ) -> None:
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "shrink"
-    manifest = group_manifest(name, replicas=2)
-    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
-    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    address = serve_slow_group(control_plane, node_agent, groups, core, name)
     load = Load(address, MODEL, clients=6, inputs=2).start()
     time.sleep(3)  # both replicas have batches in flight (each takes 0.4 s more than the model needs)
     before = retried_batches(address)
@@ -121,11 +135,7 @@ def test_a_scale_down_undone_while_draining_leaves_the_replica_serving(
 ) -> None:
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "undo"
-    manifest = group_manifest(name, replicas=2)
-    manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
-    manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": "8"}]
-    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    address = serve_slow_group(control_plane, node_agent, groups, core, name, batch_seconds=8)
     eventually(lambda: replica_state(address, 1) == "serving", 30, "replica 1 serving")
     replica_1 = {
         p.metadata.uid for p in groups.pods(name) if p.metadata.labels["inference.iwg.dev/replica"] == "1"
