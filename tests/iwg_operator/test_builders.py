@@ -329,3 +329,11 @@ def test_a_gang_pod_names_its_podgroup_and_others_do_not() -> None:
     pod = builders.worker_pod(g, 1, 0, SETTINGS, builders.pod_group_name("g", 1))
     assert pod["spec"]["schedulingGroup"] == {"podGroupName": "g-r1"}
     assert "schedulingGroup" not in builders.worker_pod(g, 1, 0, SETTINGS)["spec"]
+
+
+def test_the_pods_own_mounts_are_the_ones_admission_keeps_model_volumes_off() -> None:
+    g = group(model={"task": "embed", "path": "/models/m", "volume": {"claimName": "c"}})
+    worker = builders.worker_pod(g, 0, 0, SETTINGS)["spec"]["containers"][0]
+    driver = builders.driver_deployment(g)["spec"]["template"]["spec"]["containers"][0]
+    own = {m["mountPath"] for c in (worker, driver) for m in c["volumeMounts"] if m["name"] != "model"}
+    assert own == set(api.POD_MOUNT_PATHS)

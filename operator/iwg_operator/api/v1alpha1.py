@@ -77,6 +77,9 @@ LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 NO_NUL_PATTERN = r"^[^\x00]*$"
 # An absolute path in normal form: no `.`, `..` or empty segments, no trailing slash (a volume's mountPath).
 CLEAN_ABSOLUTE_PATH_PATTERN = r"^(/([^/.\x00][^/\x00]*|[.][^/.\x00][^/\x00]*|[.][.][^/\x00]+))+$"
+# Where the operator mounts its own volumes in worker and driver pods (shared memory, scratch space, the CURVE
+# keys): a model volume there would collide with them (tests/iwg_operator/test_builders.py keeps this in step).
+POD_MOUNT_PATHS = ("/dev/shm", "/tmp", "/etc/iwg/curve")
 # A `..` segment anywhere in a path.
 PARENT_SEGMENT_PATTERN = r"(^|/)[.][.](/|$)"
 # `pkg:<module>/<subdir>`: a dotted module name, then a relative directory inside the package.
@@ -228,6 +231,17 @@ class ModelVolume(ApiModel):
                 "and without a trailing slash"
             ),
             check=lambda v: re.fullmatch(CLEAN_ABSOLUTE_PATH_PATTERN, v.mount_path) is not None,
+            field_path=".mountPath",
+        ),
+        CrossFieldRule(
+            cel=" && ".join(
+                f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')" for p in POD_MOUNT_PATHS
+            ),
+            message=(
+                f"spec.model.volume.mountPath must not be or lie under {', '.join(POD_MOUNT_PATHS)} "
+                "(the operator mounts its own volumes there)"
+            ),
+            check=lambda v: not any(_path_under(v.mount_path, p) for p in POD_MOUNT_PATHS),
             field_path=".mountPath",
         ),
     )
