@@ -242,6 +242,8 @@ def _constraints(schema: Schema, required: bool) -> str:
             parts.append(f"{label} {schema[key]}")
     if "pattern" in schema and not schema.get("x-kubernetes-int-or-string"):
         parts.append(f"pattern `{schema['pattern']}`")
+    if "properties" not in schema:  # an object's rules are listed under its own table
+        parts.extend(rule["message"] for rule in schema.get("x-kubernetes-validations", []))
     return ", ".join(parts)
 
 

@@ -655,7 +655,10 @@ class SchedulingSpec(ApiModel):
     )
     affinity: Affinity | None = Field(
         default=None,
-        description="A core/v1 Affinity merged into every worker pod (co-location terms are added to it).",
+        description=(
+            "A core/v1 Affinity merged into every worker pod (co-location terms are added to it); its schema is "
+            "the API server's own, so `kubectl apply` (strict field validation) refuses a misspelt key."
+        ),
     )
     gpu_product: str | None = Field(
         default=None,
