@@ -107,8 +107,17 @@ def group_patches_by_kopf(cp: ControlPlane) -> float:
 
 def count_pods(core: client.CoreV1Api, namespace: str) -> int:
     """Worker pods in the namespace (raw JSON: remainingItemCount is not given with label selectors)."""
+    return len(worker_pods(core, namespace))
+
+
+def worker_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
     response = core.list_namespaced_pod(namespace, label_selector=WORKER_SELECTOR, _preload_content=False)
-    return len(json.loads(response.data)["items"])
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def count_bound(core: client.CoreV1Api, namespace: str) -> int:
+    return sum(1 for pod in worker_pods(core, namespace) if (pod.get("spec") or {}).get("nodeName"))
 
 
 def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int]:
@@ -234,18 +243,22 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
                 )
             )
         submitted = time.monotonic() - started
-        t_pods = t_reported = t_running = None
+        t_pods = t_bound = t_reported = t_running = None
         deadline = started + 900
         while time.monotonic() < deadline and t_running is None:
             now = time.monotonic() - started
             if t_pods is None and count_pods(core, "bench") >= pods_total:
                 t_pods = now
+            if t_pods is not None and t_bound is None and count_bound(core, "bench") >= pods_total:
+                t_bound = time.monotonic() - started
             if t_pods is not None:
                 counted, running = reporting(custom, "bench")
                 if t_reported is None and counted == groups:
                     t_reported = time.monotonic() - started
                 if running == groups:
                     t_running = time.monotonic() - started
+                    # Every replica ready means every pod bound: the last binding landed between the two lists.
+                    t_bound = t_bound or t_running
             time.sleep(0.5)
         cpu_busy = sampler.cpu_seconds() - cpu_before
         requests_busy = operator_requests(port)
@@ -273,6 +286,7 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
             "nodes": nodes,
             "submit_seconds": submitted,
             "pods_exist_seconds": t_pods,
+            "pods_bound_seconds": t_bound,
             "groups_report_seconds": t_reported,
             "groups_running_seconds": t_running,
             "direct_create_seconds": baseline,
@@ -320,6 +334,7 @@ def report(result: dict[str, Any]) -> str:
         f"| groups submitted (16 in flight) | {secs(result['submit_seconds'])} | | |",
         f"| all {pods} pods exist | {secs(t_pods)} | {ratio(t_pods, anchor)} of {anchor:.1f} s | "
         f"{ratio(t_pods, result['direct_create_seconds'])} of {result['direct_create_seconds']:.1f} s |",
+        f"| all {pods} pods bound to nodes (the scheduler) | {secs(result.get('pods_bound_seconds'))} | | |",
         f"| every group's status counts its pods | {secs(result['groups_report_seconds'])} | | |",
         f"| every group Running (all replicas ready) | {secs(result['groups_running_seconds'])} | | |",
         f"| operator API requests (own layer) | {int(result['operator_requests_total'])} ({requests}) | | |",
@@ -337,6 +352,7 @@ def compare(plain: dict[str, Any], gang: dict[str, Any]) -> str:
     """The gang run against the run without it (the same invocation, one after the other)."""
     rows = [
         ("all pods exist", "pods_exist_seconds"),
+        ("all pods bound to nodes", "pods_bound_seconds"),
         ("every group's status counts its pods", "groups_report_seconds"),
         ("every group Running", "groups_running_seconds"),
     ]
