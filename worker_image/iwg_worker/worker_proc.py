@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -377,11 +378,15 @@ class WorkerProc:
         the socket (at most 100 ms, to notice SIGTERM and keep the liveness tick fresh), so an idle worker
         uses no CPU to speak of."""
         sock = self.rpc_broadcast_mq
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(ring.wake_fd, zmq.POLLIN)
+        # Sleep in the kernel on the FIFO and the socket's signalling descriptor. That descriptor only says
+        # "look" (edge-like), so the loop reads the socket's EVENTS before every sleep, and after every wake.
+        poller = select.poll()
+        poller.register(ring.wake_fd, select.POLLIN)
+        poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
 
         def sleep(timeout: float) -> bool:
+            if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return True
             return bool(poller.poll(round(timeout * 1000)))
 
         active = time.monotonic()

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,7 @@ class MultiprocExecutor(RemoteExecutor):
         self._exited: set[tuple[int, int]] = set()
         self._restart = _RestartPolicy(restart_backoff_s, restart_backoff_max_s)
         self._restarting = False  # set once every replica served the first time
+        self._launch_lock = threading.Lock()
         self._ring: shm_ring.RingWriter | None = None
         if ring:
             self._ring = _make_ring(replicas * world_size, self._dir, ring_chunks, ring_chunk_bytes)
@@ -321,10 +323,12 @@ class MultiprocExecutor(RemoteExecutor):
                     self._schedule_restart(key[0], now)
         for replica in self._restart.due(now):
             ranks = [(replica, k) for k in range(self.world_size)]
-            if all(k in self._exited for k in ranks):
-                self._launch_replica(replica)
-            else:
+            if not all(k in self._exited for k in ranks):
                 self._restart.postpone(replica, now + _TICK_S)
+                continue
+            with self._launch_lock:  # shutdown() either sees this replica's new processes or stops it first
+                if self._restarting:
+                    self._launch_replica(replica)
 
     def _schedule_restart(self, replica: int, now: float) -> None:
         delay = self._restart.schedule(replica, now)
@@ -348,7 +352,8 @@ class MultiprocExecutor(RemoteExecutor):
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every worker (each drains and says goodbye), wait up to ``grace_s``, then kill."""
-        self._restarting = False
+        with self._launch_lock:
+            self._restarting = False
         for wp in self.processes:
             if wp.process.poll() is None:
                 wp.process.send_signal(signal.SIGTERM)
