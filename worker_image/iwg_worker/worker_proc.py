@@ -407,6 +407,7 @@ class WorkerProc:
                 continue
             held = ring.release_held()
             if now - active < ring.spin_s:
+                os.sched_yield()  # polling, but any other runnable process of this core goes first
                 continue
             if ring.wait(0.001 if held else 0.1, also=sleep):  # held chunks: look again soon
                 active = time.monotonic()
