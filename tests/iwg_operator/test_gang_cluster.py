@@ -7,7 +7,10 @@ groups select them: tests never compete for each other's room.
 
 from __future__ import annotations
 
+import http.server
+import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 
 import pytest
 from iwg_operator import labels, metrics
+from iwg_operator.api import wiring
 from kopf.testing import KopfRunner
 from kubernetes.client import ApiClient
 
@@ -347,3 +351,74 @@ def test_a_cluster_without_the_api_says_so_once_and_the_group_serves(
     warnings = [e for e in groups.events("plain") if e.reason == "GangSchedulingUnavailable"]
     assert len(warnings) == 1 and warnings[0].type == "Warning" and (warnings[0].count or 1) == 1
     assert _discoveries() - before == 1, "discovery is asked once, not on every pass"
+
+
+class FakeWorkerHealth:
+    """A /healthz answer on one simulated pod's own address (kwok gives pods loopback addresses), so the
+    operator's real health prober supervises that pod and then sees it fail."""
+
+    def __init__(self, ip: str) -> None:
+        self.healthy = True
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.requests += 1
+                body = json.dumps({"alive": outer.healthy}).encode()
+                self.send_response(200 if outer.healthy else 500)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((ip, wiring.DEFAULT_HEALTH_PORT), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_replica_restart_by_the_health_prober_replaces_its_podgroup_with_its_pods(
+    gang_groups: GangGroups, pool: NodePool, gang_operator: KopfRunner
+) -> None:
+    pool.grow(2)
+    health = {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 1, "backoffSeconds": 0,
+              "maxBackoffSeconds": 0, "restartPolicy": "Replica"}  # fmt: skip
+    gang_groups.create(
+        "heal", replicas=2, worldSize=2, worker={"gpus": 1}, scheduling=pool.selector, health=health
+    )
+    eventually(lambda: settled_and_consistent(gang_groups, "heal", 2), timeout=60, what="2 replicas")
+    pods = {p.metadata.name: p for p in gang_groups.live_pods("heal")}
+    before = {g["metadata"]["name"]: g["metadata"]["uid"] for g in gang_groups.pod_groups("heal")}
+    workers = [FakeWorkerHealth(pods[f"heal-r1-w{rank}"].status.pod_ip) for rank in range(2)]
+    try:
+        eventually(
+            lambda: all(w.requests for w in workers), timeout=60, what="the prober supervises replica 1"
+        )
+        workers[1].healthy = False
+
+        def replaced() -> bool:
+            now = {p.metadata.name: p.metadata.uid for p in gang_groups.live_pods("heal")}
+            groups_now = {g["metadata"]["name"]: g["metadata"]["uid"] for g in gang_groups.pod_groups("heal")}
+            return (
+                all(now.get(n) not in (None, pods[n].metadata.uid) for n in ("heal-r1-w0", "heal-r1-w1"))
+                and groups_now.get("heal-r1") not in (None, before["heal-r1"])
+                and settled_and_consistent(gang_groups, "heal", 2)
+            )
+
+        eventually(replaced, timeout=90, what="replica 1 replaced with a new PodGroup")
+    finally:
+        for worker in workers:
+            worker.close()
+    now = {p.metadata.name: p.metadata.uid for p in gang_groups.live_pods("heal")}
+    assert all(now[n] == pods[n].metadata.uid for n in ("heal-r0-w0", "heal-r0-w1")), "replica 0 untouched"
+    assert {g["metadata"]["name"]: g["metadata"]["uid"] for g in gang_groups.pod_groups("heal")}[
+        "heal-r0"
+    ] == (before["heal-r0"])
+    assert any(e.reason == "WorkerUnhealthy" for e in gang_groups.events("heal"))
