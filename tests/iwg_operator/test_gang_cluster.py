@@ -220,7 +220,9 @@ def test_two_groups_competing_for_room_for_one_replica_place_exactly_one_whole(
         time.sleep(0.1)
 
 
-def settled_and_consistent(groups: GangGroups, name: str, replicas: int, image: str | None = None) -> bool:
+def settled_and_consistent(
+    groups: GangGroups, name: str, replicas: int, image: str | None = None, world_size: int = 2
+) -> bool:
     """Every replica has its worldSize pods bound and exactly one live PodGroup its pods name; nothing else."""
     status = groups.get(name).get("status") or {}
     pods = groups.live_pods(name)
@@ -230,12 +232,14 @@ def settled_and_consistent(groups: GangGroups, name: str, replicas: int, image: 
     return (
         status.get("phase") == "Running"
         and status.get("readyReplicas") == replicas
-        and len(pods) == 2 * replicas
+        and len(pods) == world_size * replicas
         and all(p.spec.node_name for p in pods)
         and (image is None or all(p.spec.containers[0].image == image for p in pods))
         and {p.spec.scheduling_group.pod_group_name for p in pods} == wanted
         and {g["metadata"]["name"] for g in pod_groups} == live_groups == wanted
-        and len(groups.workloads(name)) == 1
+        and [w["spec"]["podGroupTemplates"][0]["schedulingPolicy"] for w in groups.workloads(name)]
+        == [{"gang": {"minCount": world_size}}]
+        and all(g["spec"]["schedulingPolicy"] == {"gang": {"minCount": world_size}} for g in pod_groups)
     )
 
 
@@ -299,6 +303,14 @@ def test_scale_rollout_replica_restart_and_deletion_keep_podgroups_consistent_th
 
         gang_groups.patch("life", {"replicas": 1})
         eventually(lambda: settled_and_consistent(gang_groups, "life", 1), timeout=60, what="scaled to 1")
+
+        # A world-size change: the Workload (its templates are fixed) and the PodGroup come back with minCount 3.
+        gang_groups.patch("life", {"worldSize": 3})
+        eventually(
+            lambda: settled_and_consistent(gang_groups, "life", 1, world_size=3),
+            timeout=60,
+            what="world size 3",
+        )
 
         gang_groups.delete("life")
         # The garbage collector takes pods, PodGroups (their finalizer lifted once the pods are gone) and the
