@@ -349,3 +349,29 @@ def test_restarts_back_off(group: MultiprocExecutor) -> None:
     assert delays[0] >= 0.5
     assert delays[1] >= 1.0, delays
     assert group.collective_rpc("record", (1,), timeout=30, replica=0)[0][-1] == 1
+
+
+def test_a_replica_of_two_ranks_restarts_whole() -> None:
+    executor = MultiprocExecutor(
+        WorkerConfig(task="none", device="cpu", group="ring2"),
+        replicas=1,
+        world_size=2,
+        worker_extension_cls=EXT,
+        heartbeat_interval_s=HEARTBEAT_S,
+        startup_timeout_s=300,
+        restart_backoff_s=0.2,
+    )
+    try:
+        old = [executor.worker_process(0, k).process for k in range(2)]
+        old[1].kill()
+        # Its peer goes too (a torch.distributed group cannot take a new member), and both come back.
+        assert old[0].wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 120
+        while any(executor.worker_process(0, k).process is old[k] for k in range(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        executor.wait_until_serving(timeout=120)
+        assert executor.restarts(0) == 1
+        assert executor.collective_rpc("record", (7,), timeout=30) == [[7], [7]]
+    finally:
+        executor.shutdown()
