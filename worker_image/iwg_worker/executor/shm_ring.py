@@ -335,14 +335,15 @@ class RingWriter:
         return dead
 
     def close(self) -> None:
+        for p in [Path(self.path), *self.wake_paths]:  # first: nothing is left behind, whatever follows
+            p.unlink(missing_ok=True)
         for fd in self._wake_fds:
             os.close(fd)
         self._wake_fds = []
         self._words.release()
         self._bytes.release()
-        self._mmap.close()
-        for p in [Path(self.path), *self.wake_paths]:
-            p.unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a view of it still alive here: it goes with the process
+            self._mmap.close()
 
 
 class RingMessage:
