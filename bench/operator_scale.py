@@ -193,7 +193,18 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
         cp.start_controller_manager()
         cp.start_gpu_nodes(count=nodes)
         cp.kubectl("apply", "--server-side", "-f", "-", input=render_crd())
-        cp.kubectl("wait", "--for=condition=Established", f"crd/{api.PLURAL}.{api.GROUP}", "--timeout=60s")
+        for attempt in range(10):  # `kubectl wait` fails at once while the new CRD has no status yet
+            waited = cp.kubectl(
+                "wait",
+                "--for=condition=Established",
+                f"crd/{api.PLURAL}.{api.GROUP}",
+                "--timeout=60s",
+                check=False,
+            )
+            if waited.returncode == 0:
+                break
+            assert attempt < 9, waited.stderr
+            time.sleep(0.5)
         configuration = client.Configuration()
         k8s: ApiClient = cp.api_client()
         k8s.configuration.connection_pool_maxsize = max(32, MAX_IN_FLIGHT)
