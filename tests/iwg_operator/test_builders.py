@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import pytest
 import zmq
 from iwg_operator import builders, labels
 from iwg_operator.api import v1alpha1 as api
@@ -337,3 +338,17 @@ def test_the_pods_own_mounts_are_the_ones_admission_keeps_model_volumes_off() ->
     driver = builders.driver_deployment(g)["spec"]["template"]["spec"]["containers"][0]
     own = {m["mountPath"] for c in (worker, driver) for m in c["volumeMounts"] if m["name"] != "model"}
     assert own == set(api.POD_MOUNT_PATHS)
+
+
+def test_kv_cache_size_reaches_the_workers_and_takes_one_form() -> None:
+    def worker_env(**kv: Any) -> dict[str, Any]:
+        spec = group(model={"task": "generate", "path": "/models/lm", "kvCache": kv})
+        return env_of(builders.worker_pod(spec, 0, 0, SETTINGS)["spec"]["containers"][0])
+
+    assert worker_env(blocks=512)[wiring.KV_CACHE_BLOCKS] == "512"
+    assert wiring.KV_CACHE_MEMORY_FRACTION not in worker_env(blocks=512)
+    assert worker_env(memoryFraction=0.5)[wiring.KV_CACHE_MEMORY_FRACTION] == "0.5"
+    unset = env_of(builders.worker_pod(group(), 0, 0, SETTINGS)["spec"]["containers"][0])
+    assert wiring.KV_CACHE_BLOCKS not in unset and wiring.KV_CACHE_MEMORY_FRACTION not in unset
+    with pytest.raises(Exception, match="blocks or memoryFraction, not both"):
+        worker_env(blocks=512, memoryFraction=0.5)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -230,3 +232,53 @@ def test_protocol_works_without_importing_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+_ITEM = {
+    "id": "g1-1",
+    "tokens": [5, 6],
+    "text": "hi",
+    "logprobs": [-0.5, -1.25],
+    "top_logprobs": [[[5, -0.5], [9, -2.0]], [[6, -1.25]]],
+    "finish_reason": None,
+    "error": None,
+}
+
+
+def test_a_stream_message_carries_a_steps_items_for_many_requests() -> None:
+    items = [_ITEM, {**_ITEM, "id": "g1-2", "logprobs": None, "top_logprobs": None, "finish_reason": "stop"}]
+    message = protocol.decode(_wire(protocol.encode_stream(2, 0, items)))
+    assert message == protocol.Stream(replica=2, rank=0, items=items)
+
+
+@pytest.mark.parametrize(
+    ("item", "reason"),
+    [
+        ({k: v for k, v in _ITEM.items() if k != "error"}, "exactly the keys"),
+        ({**_ITEM, "extra": 1}, "exactly the keys"),
+        ({**_ITEM, "tokens": [1, "2"]}, "'tokens' must be a list of ints"),
+        ({**_ITEM, "text": b"hi"}, "'id' and 'text' must be strings"),
+        ({**_ITEM, "finish_reason": 3}, "'finish_reason' must be a string or nil"),
+        ({**_ITEM, "logprobs": [1]}, "'logprobs' must be a list of floats"),
+        ({**_ITEM, "top_logprobs": [[[5]]]}, "token id, logprob"),
+        ("not a map", "exactly the keys"),
+    ],
+)
+def test_malformed_stream_items_are_rejected(item: Any, reason: str) -> None:
+    frames = [msgpack.packb({"kind": "stream", "replica": 0, "rank": 0, "items": [item]})]
+    with pytest.raises(protocol.ProtocolError, match=reason):
+        protocol.decode(_wire(frames))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=7),
+        max_leaves=20,
+    )
+)
+def test_arbitrary_stream_items_decode_or_raise_protocol_error(items: Any) -> None:
+    frames = [msgpack.packb({"kind": "stream", "replica": 0, "rank": 0, "items": items})]
+    with contextlib.suppress(protocol.ProtocolError):
+        protocol.decode(_wire(frames))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from iwg_worker.executor.base import RPCError
 from iwg_worker.executor.uniproc import UniProcExecutor
 from iwg_worker.torch_worker import TorchWorker, auto_dtype
 from iwg_worker.worker_base import WorkerConfig
@@ -119,32 +120,25 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_generate_greedy_matches_transformers(tiny_gpt2: Path) -> None:
+async def test_a_generate_worker_streams_greedy_tokens_equal_to_transformers(tiny_gpt2: Path) -> None:
     from transformers import GPT2LMHeadModel
 
     executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu"))
-    prompts = [[5, 17, 42], [1, 2]]
-    out = executor.execute_model({"input_ids": prompts, "max_tokens": 6})["token_ids"]
     oracle = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval()
-    for prompt, tokens in zip(prompts, out, strict=True):
-        expected = oracle.generate(
-            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=96
-        )[0, len(prompt) :].tolist()
-        assert tokens == expected
-        assert 1 <= len(tokens) <= 6
-    executor.shutdown()
-
-
-def test_generate_sampling_is_seeded_and_bounded(tiny_gpt2: Path) -> None:
-    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu"))
-    batch = {"input_ids": [[3, 4, 5]], "max_tokens": 12, "temperature": 5.0}
-    first = executor.execute_model({**batch, "seed": 7})["token_ids"]
-    again = executor.execute_model({**batch, "seed": 7})["token_ids"]
-    others = [executor.execute_model({**batch, "seed": s})["token_ids"] for s in (8, 9, 10)]
-    assert first == again
-    assert any(o != first for o in others)
-    assert all(len(seq) <= 12 for seq in first + [s for o in others for s in o])
-    assert len(executor.execute_model({**batch, "max_tokens": 2, "seed": 1})["token_ids"][0]) <= 2
-    with pytest.raises(Exception, match="'max_tokens'"):
-        executor.execute_model({**batch, "max_tokens": 0})
-    executor.shutdown()
+    try:
+        for n, prompt in enumerate([[5, 17, 42], [1, 2]]):
+            request = {"id": f"r{n}", "prompt_ids": prompt, "max_tokens": 6, "temperature": 0.0}
+            stream, answer = await executor.open_stream(request, replica=0)
+            assert answer == {"id": f"r{n}", "ok": True, "prompt_tokens": len(prompt)}
+            tokens = [t async for item in stream for t in item["tokens"]]
+            expected = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=96
+            )[0, len(prompt) :].tolist()
+            assert tokens == expected
+        # A model without a tokenizer takes token ids only; a text prompt is refused for that request.
+        _stream, refused = await executor.open_stream({"id": "text", "prompt": "hello"}, replica=0)
+        assert refused["ok"] is False and refused["error"]["param"] == "prompt"
+        with pytest.raises(RPCError, match="engine_add"):
+            executor.execute_model({"input_ids": [[1, 2]], "max_tokens": 2})
+    finally:
+        executor.shutdown()

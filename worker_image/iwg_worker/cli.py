@@ -157,6 +157,8 @@ def _start_workers(
         device=spec.worker.device,
         dtype=spec.model.dtype,
         group=group.name,
+        kv_cache_blocks=spec.model.kv_cache.blocks if spec.model.kv_cache else None,
+        kv_cache_memory_fraction=spec.model.kv_cache.memory_fraction if spec.model.kv_cache else None,
     )
     log.info(
         "starting %d replica(s) x %d rank(s) of %r (%s) from %s",

@@ -19,7 +19,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json
 
 
 def missing_parts(path: Path, task: str) -> list[str]:
-    """What `path` lacks to be served for `task`, as phrases for a person; empty when nothing is missing."""
+    """What `path` lacks to be served for `task`, as phrases for a person; empty when nothing is missing.
+
+    A `.gguf` file holds a whole model (weights, tokenizer, configuration) and lacks nothing."""
+    if path.is_file() and path.suffix == ".gguf":
+        return []
     if not path.is_dir():
         return [f"{path} is not a directory"]
     missing: list[str] = []

@@ -20,6 +20,9 @@ Message kinds and their header keys (every key required, no others allowed):
 - ``ping``: ``{kind, ts}`` driver -> worker heartbeat
 - ``overflow``: ``{kind, id}`` driver -> worker through the shared-memory ring (`executor.shm_ring`): call
   ``id`` was too large for the ring and comes on the socket; the worker runs it in this place
+- ``stream``: ``{kind, replica, rank, items}`` worker -> driver: one engine step's new output of every running
+  request of the replica, each item ``{id, tokens, text, logprobs, top_logprobs, finish_reason, error}``
+  (`iwg_worker.engine.streams`)
 
 Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
 receiver logs and drops before serving the next message.
@@ -141,7 +144,18 @@ class Overflow:
     id: int
 
 
-Message = Call | Reply | Hello | Goodbye | Ping | Overflow
+@dataclass(frozen=True, slots=True)
+class Stream:
+    replica: int
+    rank: int
+    items: list[dict[str, Any]]
+
+
+Message = Call | Reply | Hello | Goodbye | Ping | Overflow | Stream
+
+STREAM_ITEM_KEYS: Final = frozenset(
+    {"id", "tokens", "text", "logprobs", "top_logprobs", "finish_reason", "error"}
+)
 
 _KEYS: Final[dict[str, frozenset[str]]] = {
     "call": frozenset({"kind", "id", "method", "args", "kwargs", "reply_rank", "deadline"}),
@@ -155,6 +169,7 @@ _KEYS: Final[dict[str, frozenset[str]]] = {
     "goodbye": frozenset({"kind", "replica", "rank", "reason", "last_call"}),
     "ping": frozenset({"kind", "ts"}),
     "overflow": frozenset({"kind", "id"}),
+    "stream": frozenset({"kind", "replica", "rank", "items"}),
 }
 
 
@@ -308,6 +323,10 @@ def encode_ping(ts: float) -> list[Any]:
 
 def encode_overflow(call_id: int) -> list[Any]:
     return encode({"kind": "overflow", "id": call_id})
+
+
+def encode_stream(replica: int, rank: int, items: list[dict[str, Any]]) -> list[Any]:
+    return encode({"kind": "stream", "replica": replica, "rank": rank, "items": items})
 
 
 # --------------------------------------------------------------------------------------------- decoding
@@ -541,4 +560,39 @@ def _build_checked(kind: str, h: dict[str, Any]) -> Message:
         )
     if kind == "overflow":
         return Overflow(id=_require(h, "id", int))
+    if kind == "stream":
+        items = _require(h, "items", list)
+        for item in items:
+            _check_stream_item(item)
+        return Stream(replica=_require(h, "replica", int), rank=_require(h, "rank", int), items=items)
     return Ping(ts=_require(h, "ts", (float, int)))
+
+
+def _check_stream_item(item: Any) -> None:
+    if not isinstance(item, dict) or item.keys() != STREAM_ITEM_KEYS:
+        raise ProtocolError(f"a stream item must be a map with exactly the keys {sorted(STREAM_ITEM_KEYS)}")
+    if not isinstance(item["id"], str) or not isinstance(item["text"], str):
+        raise ProtocolError("stream item 'id' and 'text' must be strings")
+    tokens = item["tokens"]
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ProtocolError("stream item 'tokens' must be a list of ints")
+    for key in ("finish_reason", "error"):
+        if item[key] is not None and not isinstance(item[key], str):
+            raise ProtocolError(f"stream item {key!r} must be a string or nil")
+    logprobs = item["logprobs"]
+    if logprobs is not None and (
+        not isinstance(logprobs, list) or not all(type(v) is float for v in logprobs)
+    ):
+        raise ProtocolError("stream item 'logprobs' must be a list of floats or nil")
+    top = item["top_logprobs"]
+    if top is not None and not (
+        isinstance(top, list)
+        and all(
+            isinstance(row, list)
+            and all(
+                isinstance(p, list) and len(p) == 2 and type(p[0]) is int and type(p[1]) is float for p in row
+            )
+            for row in top
+        )
+    ):
+        raise ProtocolError("stream item 'top_logprobs' must be lists of [token id, logprob] pairs or nil")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from iwg_worker import distributed
+
+if TYPE_CHECKING:
+    from iwg_worker.engine.engine import GenerationEngine
 from iwg_worker.model_dir import read_config
 from iwg_worker.worker_base import WorkerBase, WorkerConfig
 
@@ -55,6 +59,7 @@ class TorchWorker(WorkerBase):
         self.last_step_at: float | None = None
         self.steps = 0
         self.distributed_backend: str | None = None
+        self._stream_sink: Callable[[list[dict[str, Any]]], None] | None = None
 
     # -- WorkerBase ------------------------------------------------------------------------------------
 
@@ -90,9 +95,20 @@ class TorchWorker(WorkerBase):
                 self.config.model_path, device, self.dtype, self.config.max_seq_length
             )
         elif self.config.task == "generate":
-            from iwg_worker.models.generate import CausalLM
+            from iwg_worker.engine.engine import EngineConfig, GenerationEngine
+            from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
-            self.model = CausalLM(self.config.model_path, device, self.dtype)
+            source = model_source(self.config.model_path)
+            # transformers' continuous batching reads the KV cache through its paged attention.
+            model = load_causal_lm(source, self.dtype, attn_implementation="sdpa").to(device).eval()
+            tokenizer = load_tokenizer(source) if source.has_tokenizer else None
+            engine_config = EngineConfig(
+                num_blocks=self.config.kv_cache_blocks,
+                memory_fraction=self.config.kv_cache_memory_fraction,
+            )
+            self.model = GenerationEngine(model, tokenizer, engine_config, self.get_memory_info()[0])
+            if self._stream_sink is not None:
+                self.model.set_sink(self._stream_sink)
 
     def execute_model(self, batch: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(batch, dict):
@@ -100,13 +116,13 @@ class TorchWorker(WorkerBase):
         if self.model is None:
             raise RuntimeError(f"no model loaded (task {self.config.task!r})")
         started = time.perf_counter()
+        if self.config.task == "generate":
+            raise TypeError("a generate worker streams: send requests with engine_add, not execute_model")
         if self.config.task == "embed":
             if "inputs" not in batch:
                 raise ValueError("an embed batch needs field 'inputs' (a list of strings)")
             embeddings, counts = self.model.embed_counted(batch["inputs"])
             result: dict[str, Any] = {"embeddings": embeddings, "prompt_tokens": counts}
-        else:
-            result = self.model.generate(batch)
         self.last_step_s = time.perf_counter() - started
         self.last_step_at = time.time()
         self.steps += 1
@@ -129,6 +145,7 @@ class TorchWorker(WorkerBase):
             "memory_free_bytes": free,
             "memory_total_bytes": total,
             "model_loaded": self.model is not None or self.config.task == "none",
+            "engine_running": self.model.running if isinstance(self.model, _engine_type()) else None,
             "task": self.config.task,
             "last_step_s": self.last_step_s,
             "last_step_at": self.last_step_at,
@@ -136,7 +153,14 @@ class TorchWorker(WorkerBase):
             "distributed": self.distributed_backend,
         }
 
+    def set_stream_sink(self, sink: Callable[[list[dict[str, Any]]], None]) -> None:
+        self._stream_sink = sink
+        if isinstance(self.model, _engine_type()):
+            self.model.set_sink(sink)
+
     def shutdown(self) -> None:
+        if isinstance(self.model, _engine_type()):
+            self.model.shutdown()
         self.model = None
         # No destroy_process_group here: rank 0 hosts the rendezvous store and would wait for the other
         # ranks, which may already be gone; the process is about to exit, which frees the group anyway.
@@ -154,6 +178,25 @@ class TorchWorker(WorkerBase):
         )
         result: torch.Tensor = module(x.double().to(device)).cpu()
         return result
+
+    def engine_add(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Admit generation requests into this replica's engine; one answer per request (see GenerationEngine)."""
+        return self._engine().add(requests)
+
+    def engine_cancel(self, request_ids: list[str]) -> int:
+        """Stop generation requests; their KV cache blocks are freed at the engine's next step."""
+        if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
+            raise TypeError("engine_cancel takes a list of request ids")
+        return self._engine().cancel(request_ids)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Requests running and waiting, KV cache blocks used and total."""
+        return self._engine().stats()
+
+    def _engine(self) -> GenerationEngine:
+        if not isinstance(self.model, _engine_type()):
+            raise RuntimeError(f"this worker runs task {self.config.task!r}, not a generation engine")
+        return self.model
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -176,6 +219,14 @@ class TorchWorker(WorkerBase):
     def _device_available(self) -> bool:
         if self.device is None:
             return False
+        if isinstance(self.model, _engine_type()) and not self.model.running:
+            return False  # the engine's thread died: this worker can no longer serve
         if self.device.type == "cuda":
             return bool(torch.cuda.is_available())
         return True
+
+
+def _engine_type() -> type[GenerationEngine]:
+    from iwg_worker.engine.engine import GenerationEngine
+
+    return GenerationEngine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +30,8 @@ class WorkerConfig:
     rank: int = 0
     world_size: int = 1
     max_seq_length: int | None = None
+    kv_cache_blocks: int | None = None  # generate: KV cache size in blocks, or
+    kv_cache_memory_fraction: float | None = None  # ... a fraction of free device memory
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,9 @@ class WorkerBase(ABC):
     @abstractmethod
     def check_health(self) -> dict[str, Any]:
         """Device available, memory free, model loaded, last step time."""
+
+    def set_stream_sink(self, sink: Callable[[list[dict[str, Any]]], None]) -> None:  # noqa: B027
+        """Where a streaming worker (a generation engine) sends each step's stream items; optional hook."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the device and model."""

@@ -95,6 +95,18 @@ class WorkerProcConfig:
             except ValueError:
                 raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
+        def fraction(name: str) -> float | None:
+            raw = env.get(name)
+            if not raw:
+                return None
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"environment variable {name} must be a number in (0, 1], got {raw!r}")
+            return value
+
         try:
             heartbeat = float(env.get(wiring.HEARTBEAT_INTERVAL) or wiring.DEFAULT_HEARTBEAT_INTERVAL_S)
         except ValueError:
@@ -111,6 +123,8 @@ class WorkerProcConfig:
             replica=integer(wiring.REPLICA, 0),
             rank=integer(wiring.RANK, 0),
             world_size=integer(wiring.WORLD_SIZE, 1),
+            kv_cache_blocks=integer(wiring.KV_CACHE_BLOCKS, 0) or None,
+            kv_cache_memory_fraction=fraction(wiring.KV_CACHE_MEMORY_FRACTION),
         )
         return cls(
             worker=worker,
@@ -220,6 +234,7 @@ class WorkerProc:
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
         self._output_thread.start()
+        worker.set_stream_sink(self._emit_stream)
         self._emit(self._hello("hello"), force_queue=True)
         log.info(
             "worker replica %d rank %d/%d ready on %s (%s), health on :%d",
@@ -298,6 +313,10 @@ class WorkerProc:
             finally:
                 self._send_lock.release()
         self._outbox.put(frames)
+
+    def _emit_stream(self, items: list[dict[str, Any]]) -> None:
+        """One engine step's output of every running request: one message (called on the engine's thread)."""
+        self._emit(protocol.encode_stream(self.replica, self.rank, items))
 
     def _output_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

@@ -247,6 +247,38 @@ class ModelVolume(ApiModel):
     )
 
 
+class KvCacheSpec(ApiModel):
+    """Size of a generation replica's paged KV cache (task `generate`); at most one of the two."""
+
+    blocks: int | None = Field(
+        default=None,
+        ge=16,
+        le=10_000_000,
+        description=(
+            "Cache size in blocks of 64 tokens (every layer's keys and values). Requests beyond what fits wait, "
+            "or running ones are offloaded and resumed later; none fails."
+        ),
+    )
+    memory_fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=0.95,
+        description=(
+            "Cache size as a fraction of the device memory free after the model is loaded. Default (neither "
+            "set): 0.9 on a GPU; on CPU a quarter of available memory, at most 2 GiB."
+        ),
+    )
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!(has(self.blocks) && has(self.memoryFraction))",
+            message="spec.model.kvCache takes blocks or memoryFraction, not both",
+            check=lambda k: k.blocks is None or k.memory_fraction is None,
+            field_path=".blocks",
+        ),
+    )
+
+
 class ModelSpec(ApiModel):
     """The model every worker loads."""
 
@@ -274,6 +306,9 @@ class ModelSpec(ApiModel):
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weight and activation dtype; `auto` takes the model's own."
+    )
+    kv_cache: KvCacheSpec | None = Field(
+        default=None, description="KV cache size of each generation replica (task `generate` only)."
     )
 
     cross_field_rules = (

@@ -168,6 +168,10 @@ def model_env(group: Group) -> list[Manifest]:
         {"name": wiring.SERVED_NAME, "value": group.served_name},
         {"name": wiring.DTYPE, "value": model.dtype},
     ]
+    if model.kv_cache is not None and model.kv_cache.blocks is not None:
+        env.append({"name": wiring.KV_CACHE_BLOCKS, "value": str(model.kv_cache.blocks)})
+    if model.kv_cache is not None and model.kv_cache.memory_fraction is not None:
+        env.append({"name": wiring.KV_CACHE_MEMORY_FRACTION, "value": str(model.kv_cache.memory_fraction)})
     return env
 
 

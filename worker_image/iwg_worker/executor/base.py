@@ -23,12 +23,15 @@ Failures raise (or fail the future with):
 from __future__ import annotations
 
 import asyncio
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
+
+from iwg_worker.executor.streams import GenerationStream, StreamHub
 
 DEFAULT_EXECUTE_TIMEOUT_S = 300.0
 DEFAULT_HEALTH_TIMEOUT_S = 10.0
@@ -204,6 +207,48 @@ class Executor(ABC):
         """`collective_rpc` for asyncio callers: awaits without blocking the event loop."""
         future = self.collective_rpc_future(method, args, kwargs, timeout, unique_reply_rank, replica)
         return await asyncio.wrap_future(future)
+
+    @functools.cached_property
+    def streams(self) -> StreamHub:
+        """The streamed generation requests of this executor, by request id."""
+        return StreamHub()
+
+    async def open_stream(
+        self, request: dict[str, Any], replica: int, timeout: float = DEFAULT_HEALTH_TIMEOUT_S
+    ) -> tuple[GenerationStream, dict[str, Any]]:
+        """Start one generation request on ``replica``'s engine: its stream and the engine's answer
+        (``{id, ok, prompt_tokens}`` or ``{id, ok: false, error}``: refused, and no stream is left open)."""
+        stream = GenerationStream(request["id"], replica, asyncio.get_running_loop())
+        self.streams.register(stream)
+        try:
+            answers = await self.collective_rpc_async(
+                "engine_add",
+                ([request],),
+                timeout=timeout,
+                unique_reply_rank=self.output_rank,
+                replica=replica,
+            )
+        except BaseException:
+            self.streams.unregister(stream.request_id)
+            raise
+        answer: dict[str, Any] = answers[0]
+        if not answer.get("ok"):
+            self.streams.unregister(stream.request_id)
+        return stream, answer
+
+    async def cancel_streams(
+        self, request_ids: list[str], replica: int, timeout: float = DEFAULT_HEALTH_TIMEOUT_S
+    ) -> None:
+        """Stop requests on ``replica``'s engine (their cache is freed at its next step)."""
+        for request_id in request_ids:
+            self.streams.unregister(request_id)
+        await self.collective_rpc_async(
+            "engine_cancel",
+            (request_ids,),
+            timeout=timeout,
+            unique_reply_rank=self.output_rank,
+            replica=replica,
+        )
 
     def execute_model(
         self,

@@ -85,6 +85,10 @@ def worker_env(
         env[wiring.INSECURE_TCP] = "1"
     if worker_extension_cls:
         env[wiring.WORKER_EXTENSION_CLS] = worker_extension_cls
+    if config.kv_cache_blocks:
+        env[wiring.KV_CACHE_BLOCKS] = str(config.kv_cache_blocks)
+    if config.kv_cache_memory_fraction:
+        env[wiring.KV_CACHE_MEMORY_FRACTION] = str(config.kv_cache_memory_fraction)
     if master_addr:
         env[wiring.MASTER_ADDR] = master_addr
         env[wiring.MASTER_PORT] = str(master_port or wiring.DEFAULT_MASTER_PORT)

@@ -127,6 +127,11 @@ class RayExecutor(Executor):
         world_size = config.world_size if world_size is None else world_size
         if replicas < 1 or world_size < 1:
             raise ValueError(f"replicas and world_size must be >= 1, got {replicas} and {world_size}")
+        if config.task == "generate":
+            raise ValueError(
+                "task 'generate' streams tokens from the worker to the driver, which RayExecutor does not "
+                "carry: serve generation with the multiproc executor or on Kubernetes"
+            )
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}"

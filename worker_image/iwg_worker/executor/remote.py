@@ -270,6 +270,7 @@ class RemoteExecutor(Executor):
                 p.future.set_exception(
                     RuntimeError(f"{p.method!r}: executor shut down while the call was pending")
                 )
+        self.streams.fail_all(RuntimeError("the executor shut down while the request was generating"))
         with self._send_lock:
             self._rpc.close(linger=0)
         with self._receive_lock:  # a caller receiving on it lets go within a tick of seeing the shutdown
@@ -353,6 +354,8 @@ class RemoteExecutor(Executor):
             return
         if isinstance(message, protocol.Reply):
             self._on_reply(message)
+        elif isinstance(message, protocol.Stream):
+            self.streams.deliver(message.replica, message.items)
         elif defer_membership:
             self._deferred.append(message)
         else:
@@ -504,6 +507,7 @@ class RemoteExecutor(Executor):
         for p in failed:
             if not p.future.done():
                 p.future.set_exception(ReplicaLostError(p.method, replica, [rank], reason))
+        self.streams.fail_replica(replica, ReplicaLostError("generate", replica, [rank], reason))
         self._publish(events)
 
     def _recompute_serving(self, replica: int, reason: str) -> list[MembershipEvent]:

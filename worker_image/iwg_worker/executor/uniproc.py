@@ -32,6 +32,7 @@ class UniProcExecutor(Executor):
         worker = self.wrapper.require_worker()
         worker.init_device()
         worker.load_model()
+        worker.set_stream_sink(lambda items: self.streams.deliver(0, items))
         self._pool: ThreadPoolExecutor | None = None
 
     def _call(self, method: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None) -> Any:

@@ -1,0 +1,96 @@
+"""SmolLM2-135M-Instruct (real weights) in an in-process `GenerationEngine`, and a collector of its items."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from iwg_worker.engine.engine import EngineConfig, GenerationEngine
+from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
+
+from tests.models import smollm2_dir
+
+
+class Collector:
+    """The sink of an engine: every request's items, and a wait until requests have finished."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list[dict[str, Any]]] = {}
+        self.messages = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, items: list[dict[str, Any]]) -> None:
+        with self._cond:
+            self.messages += 1
+            for item in items:
+                self.items.setdefault(item["id"], []).append(item)
+            self._cond.notify_all()
+
+    def done(self, request_id: str) -> bool:
+        got = self.items.get(request_id, [])
+        return bool(got) and (got[-1]["finish_reason"] is not None or got[-1]["error"] is not None)
+
+    def wait(self, request_ids: list[str], timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not all(self.done(r) for r in request_ids):
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"not finished: {[r for r in request_ids if not self.done(r)]}"
+                self._cond.wait(remaining)
+
+    def wait_tokens(self, request_id: str, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.tokens(request_id).__len__() < count:
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"{request_id} produced {len(self.tokens(request_id))} tokens"
+                self._cond.wait(remaining)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for item in self.items.get(request_id, []) for t in item["tokens"]]
+
+    def text(self, request_id: str) -> str:
+        return "".join(item["text"] for item in self.items.get(request_id, []))
+
+    def finish(self, request_id: str) -> str | None:
+        return self.items[request_id][-1]["finish_reason"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> tuple[Any, Any]:
+    """transformers' own model and tokenizer on the same weights (the oracle)."""
+    source = model_source(smollm2)
+    return load_causal_lm(source, torch.float32).eval(), load_tokenizer(source)
+
+
+def make_engine(path: Path, **config: Any) -> tuple[GenerationEngine, Collector]:
+    source = model_source(path)
+    model = load_causal_lm(source, torch.float32, attn_implementation="sdpa").eval()
+    engine = GenerationEngine(model, load_tokenizer(source), EngineConfig(**config), 4 * 1024**3)
+    collector = Collector()
+    engine.set_sink(collector)
+    return engine, collector
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2: Path) -> Iterator[tuple[GenerationEngine, Collector]]:
+    eng, collector = make_engine(smollm2, num_blocks=256, max_batch_tokens=1024)
+    yield eng, collector
+    eng.shutdown()
+
+
+def chat_ids(tokenizer: Any, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,282 @@
+"""The generation engine on SmolLM2-135M-Instruct (real weights), checked against transformers' own
+`generate` on the same weights: concurrent greedy decoding, seeded sampling, stop rules, logprobs, requests
+refused alone, a full KV cache, cancellation."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from iwg_worker.engine.engine import GenerationEngine
+
+from tests.iwg_worker.engine.conftest import Collector, chat_ids, make_engine
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a colour.",
+    "Write one sentence about the sea and the ships that sail on it, and the people who wait for them.",
+    "What is 2 + 2?",
+    "Give me three fruits.",
+    "Why is the sky blue? Answer briefly, as if to a child who keeps asking why.",
+    "Say hello.",
+    "What do cats eat?",
+    "List the days of the week in order, starting with Monday, separated by commas.",
+    "Translate 'good morning' to French.",
+    "Who wrote Hamlet?",
+    "Describe a tree in a few words.",
+    "What is the boiling point of water at sea level in degrees Celsius, and why does it change on a mountain?",
+    "Count from one to five.",
+    "Is the moon a planet?",
+    "What is a prime number? Give an example and explain in one line why it is prime.",
+]
+
+
+def greedy_reference(reference: tuple[Any, Any], prompt: list[int], max_tokens: int) -> list[int]:
+    model, tokenizer = reference
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def add(engine: GenerationEngine, *requests: dict[str, Any]) -> list[dict[str, Any]]:
+    return engine.add(list(requests))
+
+
+def test_greedy_tokens_of_16_concurrent_prompts_equal_transformers_generate(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    prompts = [chat_ids(reference[1], q) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) > 8  # prompts of different lengths
+    ids = [f"oracle-{i}" for i in range(len(prompts))]
+    before = collector.messages
+    answers = add(
+        eng,
+        *(
+            {"id": i, "prompt_ids": p, "max_tokens": 12, "temperature": 0.0}
+            for i, p in zip(ids, prompts, strict=False)
+        ),
+    )
+    assert all(a["ok"] for a in answers), answers
+    collector.wait(ids)
+    # Batched: 16 requests in far fewer messages than tokens (one message per engine step for all of them).
+    total_tokens = sum(len(collector.tokens(i)) for i in ids)
+    assert collector.messages - before < total_tokens / 4
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        expected = greedy_reference(reference, prompt, 12)
+        assert collector.tokens(request_id) == expected, request_id
+        # An end-of-sequence token stops the request, also when it is the last one allowed.
+        assert collector.finish(request_id) == ("stop" if expected[-1] in eng.eos_token_ids else "length")
+
+
+def test_the_france_question_is_answered_paris(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    prompt = chat_ids(reference[1], "What is the capital of France?")
+    assert add(eng, {"id": "france", "prompt_ids": prompt, "max_tokens": 20, "temperature": 0.0})[0]["ok"]
+    collector.wait(["france"])
+    assert collector.text("france").strip() == "The capital of France is Paris."
+    assert collector.finish("france") == "stop"  # the model's end-of-turn token, not the length limit
+
+
+def test_seeded_sampling_is_reproducible_whatever_it_is_batched_with(
+    engine: tuple[GenerationEngine, Collector],
+) -> None:
+    eng, collector = engine
+    sampled = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50}
+    add(eng, {"id": "seed-alone", "seed": 1234, **sampled})
+    collector.wait(["seed-alone"])
+    others = [
+        {
+            "id": f"seed-noise-{i}",
+            "prompt": f"Tell me about number {i}.",
+            "max_tokens": 10 + i,
+            "temperature": 1.0,
+        }
+        for i in range(5)
+    ]
+    add(eng, others[0], others[1], {"id": "seed-crowd", "seed": 1234, **sampled}, *others[2:])
+    add(eng, {"id": "seed-other", "seed": 99, **sampled})
+    collector.wait(["seed-crowd", "seed-other", *(o["id"] for o in others)])
+    assert collector.tokens("seed-alone") == collector.tokens("seed-crowd")
+    assert collector.tokens("seed-other") != collector.tokens("seed-alone")
+
+
+def test_a_stop_string_ends_generation_where_it_appears(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    prompt = chat_ids(reference[1], "What is the capital of France?")
+    add(eng, {"id": "stop", "prompt_ids": prompt, "max_tokens": 20, "temperature": 0.0, "stop": [" France"]})
+    collector.wait(["stop"])
+    assert collector.text("stop") == "The capital of"
+    assert collector.finish("stop") == "stop"
+    # Only the tokens of the returned text are returned (and counted): "The", " capital", " of".
+    assert reference[1].decode(collector.tokens("stop")) == "The capital of"
+
+
+def test_logprobs_are_the_models_own(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    model, tokenizer = reference
+    prompt = chat_ids(tokenizer, "Say hello.")
+    add(
+        eng,
+        {
+            "id": "lp",
+            "prompt_ids": prompt,
+            "max_tokens": 3,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
+    collector.wait(["lp"])
+    items = collector.items["lp"]
+    logprobs = [v for item in items for v in item["logprobs"]]
+    top = [row for item in items for row in item["top_logprobs"]]
+    tokens = collector.tokens("lp")
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert logprobs[0] == pytest.approx(float(expected[tokens[0]]), abs=1e-3)
+    assert [t for t, _ in top[0]] == torch.topk(expected, 3).indices.tolist()
+    assert top[0][0][0] == tokens[0]  # greedy: the most likely token was chosen
+    assert len(logprobs) == len(top) == len(tokens)
+
+
+def test_bad_requests_are_refused_alone_before_they_reach_a_batch(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    context = eng.limits.context_length
+    good = {"id": "iso-good", "prompt": "Name a colour.", "max_tokens": 5, "temperature": 0.0}
+    answers = add(
+        eng,
+        {"id": "iso-vocab", "prompt_ids": [1, 2, eng.limits.vocab_size]},
+        {"id": "iso-long", "prompt_ids": [1] * context},
+        {"id": "iso-max", "prompt": "hi", "max_tokens": context},
+        {"id": "iso-temp", "prompt": "hi", "temperature": float("nan")},
+        good,
+        {"id": "iso-good", "prompt": "again"},  # the same id while it runs
+    )
+    by_id = [(a["id"], a["ok"], a.get("error", {}).get("param")) for a in answers]
+    assert by_id == [
+        ("iso-vocab", False, "prompt"),
+        ("iso-long", False, "prompt"),
+        ("iso-max", False, "max_tokens"),
+        ("iso-temp", False, "temperature"),
+        ("iso-good", True, None),
+        ("iso-good", False, "id"),
+    ]
+    assert str(eng.limits.vocab_size) in answers[0]["error"]["message"]
+    assert str(context) in answers[1]["error"]["message"] and str(context) in answers[2]["error"]["message"]
+    collector.wait(["iso-good"])
+    assert len(collector.tokens("iso-good")) >= 1
+    assert not any(collector.items.get(i) for i in ("iso-vocab", "iso-long", "iso-max", "iso-temp"))
+
+
+def test_a_full_kv_cache_makes_requests_wait_and_all_complete_correctly(
+    smollm2: Path, reference: tuple[Any, Any]
+) -> None:
+    # 4 blocks of 64 tokens hold 256 tokens; 6 requests need about 6 x 60: they cannot all run at once.
+    eng, collector = make_engine(smollm2, num_blocks=4, max_batch_tokens=256)
+    try:
+        prompts = [chat_ids(reference[1], q) for q in QUESTIONS[:6]]
+        ids = [f"full-{i}" for i in range(len(prompts))]
+        answers = add(
+            eng,
+            *(
+                {"id": i, "prompt_ids": p, "max_tokens": 24, "temperature": 0.0}
+                for i, p in zip(ids, prompts, strict=False)
+            ),
+        )
+        assert all(a["ok"] for a in answers), answers
+        peak_waiting = 0
+        while not all(collector.done(i) for i in ids):
+            peak_waiting = max(peak_waiting, eng.stats()["requests_waiting"])
+            time.sleep(0.05)
+        assert peak_waiting > 0  # the cache was full: some requests waited
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            assert collector.items[request_id][-1]["error"] is None
+            assert collector.tokens(request_id) == greedy_reference(reference, prompt, 24), request_id
+        assert eng.stats()["kv_cache_blocks_used"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_cancelling_frees_the_cache_at_the_next_step(engine: tuple[GenerationEngine, Collector]) -> None:
+    eng, collector = engine
+    ids = [f"cancel-{i}" for i in range(4)]
+    add(
+        eng,
+        *(
+            {"id": i, "prompt": f"Write a long story number {n}.", "max_tokens": 400, "ignore_eos": True}
+            for n, i in enumerate(ids)
+        ),
+    )
+    for request_id in ids:
+        collector.wait_tokens(request_id, 2)
+    used = eng.stats()["kv_cache_blocks_used"]
+    assert used >= 4
+    assert eng.cancel(ids[:2]) == 2
+    deadline = time.monotonic() + 30
+    while eng.stats()["kv_cache_blocks_used"] >= used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert 0 < eng.stats()["kv_cache_blocks_used"] < used
+    eng.cancel(ids[2:])
+    while eng.stats()["kv_cache_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert eng.stats() | {"engine_running": True} == eng.stats()
+    assert eng.stats()["kv_cache_blocks_used"] == 0 and eng.stats()["requests_running"] == 0
+    # Nothing more is sent for a cancelled request.
+    sent = {i: len(collector.items[i]) for i in ids}
+    time.sleep(0.3)
+    assert {i: len(collector.items[i]) for i in ids} == sent
+
+
+def test_a_stop_token_id_ends_generation_with_stop(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    prompt = chat_ids(reference[1], "What is the capital of France?")
+    expected = greedy_reference(reference, prompt, 8)
+    add(
+        eng,
+        {
+            "id": "stop-id",
+            "prompt_ids": prompt,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "stop_token_ids": [expected[2]],
+        },
+    )
+    collector.wait(["stop-id"])
+    assert collector.tokens("stop-id") == expected[:3]
+    assert collector.finish("stop-id") == "stop"
+
+
+def test_a_gguf_file_is_a_model_source(smollm2: Path) -> None:
+    from iwg_worker.model_dir import missing_parts
+    from iwg_worker.models.loading import model_source
+
+    from tests.models import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    assert model_source(gguf).gguf_file == gguf.name and model_source(gguf).directory == gguf.parent
+    assert missing_parts(gguf, "generate") == []
+    assert model_source(smollm2).gguf_file is None
+    with pytest.raises(ValueError, match="no weights"):
+        model_source(gguf.parent.parent)  # a directory without a model

@@ -1,0 +1,1 @@
+"""The continuous-batching generation engine a ``generate`` worker runs (transformers' paged engine inside)."""

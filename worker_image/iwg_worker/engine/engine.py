@@ -1,0 +1,290 @@
+"""`GenerationEngine`: transformers' continuous-batching engine with per-request streams, as a worker runs it.
+
+transformers' `ContinuousBatchingManager` runs the steps on a thread of its own: requests join and leave the
+running batch at every step, prefill of new requests is batched with the decodes, and the KV cache is paged
+and bounded (``num_blocks`` or a fraction of free memory); when it is full, requests wait, or running ones are
+offloaded and resumed later. This class adds what serving needs around it:
+
+- requests are checked before they enter (`parse_request`): one bad request is refused alone;
+- sampling is per request and seeded (`RequestSampler`), logprobs are kept per token;
+- every step's new tokens of every running request leave as ONE list of stream items handed to the sink (the
+  worker's output path sends it as one ``stream`` message), with stop strings found while decoding;
+- cancelling a request frees its cache blocks at the next step;
+- the counts a scheduler and an autoscaler read: running, waiting, KV-cache usage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import OutputRouter
+
+from iwg_worker.engine.requests import ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.sampler import PARAMS_KEY, RequestSampler, TokenLogprobs, sampler_list
+from iwg_worker.engine.streams import RequestStream
+
+log = logging.getLogger(__name__)
+
+StreamSink = Callable[[list[dict[str, Any]]], None]
+
+# On CPU, without a size given, the cache takes this share of available memory, at most this many bytes.
+CPU_DEFAULT_FRACTION = 0.25
+CPU_DEFAULT_MAX_BYTES = 2 * 1024**3
+CPU_DEFAULT_MAX_BLOCKS = 4096  # a small model's blocks are small: no more than this many by default
+CPU_DEFAULT_BATCH_TOKENS = 1024
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """KV cache size (``num_blocks`` wins over ``memory_fraction``; neither: a default for the device) and the
+    most tokens one step computes (prefill chunks included)."""
+
+    num_blocks: int | None = None
+    memory_fraction: float | None = None
+    max_batch_tokens: int | None = None
+    page_size: int = 64
+
+
+class GenerationEngine:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: EngineConfig, available_memory: int | None = None
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        text_config = model.config.get_text_config()
+        self.limits = ModelLimits(
+            context_length=int(getattr(text_config, "max_position_embeddings", 2048)),
+            vocab_size=int(text_config.vocab_size),
+        )
+        self.eos_token_ids = frozenset(
+            _ids(model.generation_config.eos_token_id) | _ids(text_config.eos_token_id)
+        )
+        num_blocks = config.num_blocks
+        fraction = config.memory_fraction
+        batch_tokens = config.max_batch_tokens
+        if model.device.type == "cpu":
+            if num_blocks is None and fraction is None:
+                budget = min(CPU_DEFAULT_MAX_BYTES, int((available_memory or 0) * CPU_DEFAULT_FRACTION))
+                blocks = budget // self._bytes_per_block(text_config, config.page_size)
+                num_blocks = max(16, min(CPU_DEFAULT_MAX_BLOCKS, blocks))
+            batch_tokens = batch_tokens or CPU_DEFAULT_BATCH_TOKENS
+        self.cb_config = ContinuousBatchingConfig(
+            page_size=config.page_size,
+            num_blocks=num_blocks,
+            max_memory_percent=fraction,
+            max_batch_tokens=batch_tokens,
+            use_async_batching=False,
+            auto_switch_to_flash=False,
+            scheduler_type="fifo",
+            allow_block_sharing=False,
+        )
+        generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=False,  # RequestSampler decides every token; the engine takes its one-hot rows
+            max_new_tokens=self.limits.context_length,
+            eos_token_id=sorted(self.eos_token_ids) or -1,
+            pad_token_id=getattr(model.generation_config, "pad_token_id", None),
+        )
+        self.sampler = RequestSampler()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._sink: StreamSink | None = None
+        self.manager: Any = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=self.cb_config
+        )
+        self.manager.logit_processor = sampler_list(self.sampler)
+        self.manager.output_router = _StepOutputs(self)
+        self.manager.start()
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        """The engine's thread sizes and allocates the cache first: wait for that, so that a cache that
+        cannot be had fails the worker's start (with the reason) instead of every request later."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.manager.batch_processor is None:
+            if not self.manager.is_running() or time.monotonic() > deadline:
+                self.manager.stop(block=False)
+                error = self.manager.background_thread_status.fatal_error
+                raise RuntimeError(f"the generation engine did not start: {error or 'timed out'}")
+            time.sleep(0.01)
+
+    @staticmethod
+    def _bytes_per_block(text_config: Any, page_size: int) -> int:
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        head_dim = (
+            getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads
+        )
+        return int(2 * text_config.num_hidden_layers * heads * head_dim * page_size * 4)
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def set_sink(self, sink: StreamSink | None) -> None:
+        """Where each step's stream items go (the worker's output path)."""
+        self._sink = sink
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""  # a model without a tokenizer streams token ids only
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def add(self, raw_requests: Any) -> list[dict[str, Any]]:
+        """Admit requests; one answer each, in order: ``{id, ok: true, prompt_tokens}`` or ``{id, ok: false,
+        error: {param, message, code}}``. A refused request never reaches the engine."""
+        if not isinstance(raw_requests, list):
+            raise TypeError("engine_add takes a list of request maps")
+        answers: list[dict[str, Any]] = []
+        tokenize = self._tokenize if self.tokenizer is not None else None
+        for raw in raw_requests:
+            request_id = raw.get("id") if isinstance(raw, dict) else None
+            try:
+                request = parse_request(raw, self.limits, tokenize)
+                self._admit(request)
+            except RequestRejected as exc:
+                answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
+                continue
+            answers.append({"id": request.request_id, "ok": True, "prompt_tokens": len(request.prompt_ids)})
+        return answers
+
+    def _admit(self, request: Any) -> None:
+        params = request.params
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestRejected(
+                    "id", f"request id {request.request_id!r} is already running", "duplicate"
+                )
+            self._streams[request.request_id] = RequestStream(request, self._decode, self.eos_token_ids)
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        accepted = self.manager.add_request(
+            list(request.prompt_ids),
+            request_id=request.request_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            eos_token_id=sorted(eos) or -1,
+            **{PARAMS_KEY: params},
+        )
+        if accepted is None:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            raise RequestRejected(
+                "request", "the engine is not accepting requests (stopping or failed)", "unavailable"
+            )
+
+    def cancel(self, request_ids: list[str]) -> int:
+        """Stop requests now: nothing more is sent for them; their cache blocks are freed at the next step."""
+        cancelled = 0
+        for request_id in request_ids:
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                cancelled += 1
+                self.manager.cancel_request(request_id)
+                self.sampler.forget(request_id)
+        return cancelled
+
+    # -- each step (on the engine's thread) ------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[Any]) -> None:
+        items: list[dict[str, Any]] = []
+        for output in outputs:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # cancelled meanwhile
+            try:
+                item = self._next_item(stream, output)
+            except Exception as exc:  # this request's output alone is broken: it fails, the engine goes on
+                log.exception("request %s: its output could not be processed", output.request_id)
+                self.manager.cancel_request(output.request_id)
+                item = stream.failed(f"{type(exc).__name__}: {exc}")
+            if item is not None:
+                items.append(item)
+            if stream.finished:
+                with self._lock:
+                    self._streams.pop(output.request_id, None)
+                self.sampler.forget(output.request_id)
+        if items and self._sink is not None:
+            try:
+                self._sink(items)
+            except Exception:
+                log.exception("the stream sink failed; %d items lost", len(items))
+
+    def _next_item(self, stream: RequestStream, output: Any) -> dict[str, Any] | None:
+        if output.error is not None:
+            return stream.failed(f"the engine failed this request: {output.error}")
+        take = None
+        if stream.request.params.logprobs or stream.request.params.top_logprobs:
+            request_id = output.request_id
+
+            def take(count: int) -> list[TokenLogprobs]:
+                return self.sampler.take_logprobs(request_id, count)
+
+        item, stop_now = stream.update(list(output.generated_tokens), output.is_finished(), take)
+        if stop_now:  # a stop string: the engine would go on
+            self.manager.cancel_request(output.request_id)
+        return item
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return bool(self.manager.is_running())
+
+    def stats(self) -> dict[str, Any]:
+        processor = self.manager.batch_processor
+        running = waiting = 0
+        used = total = 0
+        if processor is not None:
+            scheduler = processor.scheduler
+            running = len(scheduler.active_requests)
+            waiting = len(scheduler.waiting_requests)
+            for allocator in processor.cache.cache_allocators.values():
+                tables = list(allocator.block_table.values())
+                used += len({block for table in tables for block in table})
+                total += allocator.num_blocks
+        waiting += self.manager.input_queue.qsize()
+        return {
+            "requests_running": running,
+            "requests_waiting": waiting,
+            "streams": len(self._streams),
+            "kv_cache_blocks_used": used,
+            "kv_cache_blocks_total": total,
+            "kv_cache_usage": used / total if total else 0.0,
+            "engine_running": self.running,
+        }
+
+    def shutdown(self) -> None:
+        if self.manager.is_running():
+            self.manager.stop(block=True, timeout=10, hard_stop=True)
+
+
+class _StepOutputs(OutputRouter):
+    """transformers' output router, replaced: each step's outputs go to the engine together."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        super().__init__()
+        self._engine = engine
+
+    def deliver(self, output: Any) -> None:
+        self._engine._on_outputs([output])
+
+    def deliver_batch(self, outputs: list[Any]) -> None:
+        self._engine._on_outputs(outputs)
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value} if value >= 0 else set()
+    return {int(v) for v in value if int(v) >= 0}

@@ -1,0 +1,192 @@
+"""One generation request as the engine takes it: prompt, sampling parameters, limits and stop rules.
+
+Requests arrive from the driver as msgpack maps (`parse_request`). Everything a client could get wrong is
+checked here, against this model's limits, before the request reaches a batch: a bad request is refused alone
+(`RequestRejected`, which names the field), and nothing in it can fail another request or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 2**63
+
+
+class RequestRejected(ValueError):
+    """A request this engine will not run; ``param`` names the offending field."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def as_dict(self) -> dict[str, str]:
+        return {"param": self.param, "message": str(self), "code": self.code}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the loaded model accepts: its context length and vocabulary size."""
+
+    context_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int = 0  # always set: requests without one get a random seed at entry
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+_KEYS = frozenset(
+    {
+        "id",
+        "prompt",
+        "prompt_ids",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+    }
+)
+
+
+def _int(raw: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise RequestRejected(key, f"'{key}' must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RequestRejected(key, f"'{key}' must be within [{low}, {high}], got {value}")
+    return value
+
+
+def _float(raw: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise RequestRejected(key, f"'{key}' must be a finite number, got {value!r}")
+    if not low <= value <= high:
+        raise RequestRejected(key, f"'{key}' must be within [{low}, {high}], got {value}")
+    return float(value)
+
+
+def _token_ids(value: Any, key: str, limits: ModelLimits, max_len: int) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise RequestRejected(key, f"'{key}' must be a list of token ids")
+    if len(value) > max_len:
+        raise RequestRejected(
+            key, f"'{key}' has {len(value)} tokens, above the limit of {max_len}", "too_long"
+        )
+    for i, token in enumerate(value):
+        if type(token) is not int or not 0 <= token < limits.vocab_size:
+            raise RequestRejected(
+                key,
+                f"'{key}[{i}]' is {token!r}, not a token id of this model's vocabulary [0, {limits.vocab_size})",
+            )
+    return tuple(value)
+
+
+def parse_request(raw: Any, limits: ModelLimits, tokenize: Any) -> GenerationRequest:
+    """A request map from the driver -> a checked `GenerationRequest`; `RequestRejected` naming the field.
+
+    ``tokenize(text) -> list[int]`` turns a text prompt into token ids (None: this model has no tokenizer)."""
+    if not isinstance(raw, dict):
+        raise RequestRejected("request", f"a generation request must be a map, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw.keys() - _KEYS)
+    if unknown:
+        raise RequestRejected(unknown[0], f"unknown request field(s) {unknown}")
+    request_id = raw.get("id")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 128:
+        raise RequestRejected("id", "'id' must be a string of 1 to 128 characters")
+    context = limits.context_length
+    if raw.get("prompt_ids") is not None:
+        prompt_ids = _token_ids(raw["prompt_ids"], "prompt", limits, context)
+    elif isinstance(raw.get("prompt"), str):
+        if tokenize is None:
+            raise RequestRejected(
+                "prompt", "this model has no tokenizer: send token ids", "unsupported_input"
+            )
+        prompt_ids = tuple(tokenize(raw["prompt"]))
+    else:
+        raise RequestRejected("prompt", "a request needs 'prompt' (text) or 'prompt_ids' (token ids)")
+    if not prompt_ids:
+        raise RequestRejected("prompt", "the prompt is empty (no tokens)")
+    if len(prompt_ids) >= context:
+        raise RequestRejected(
+            "prompt",
+            f"the prompt has {len(prompt_ids)} tokens; this model's context is {context} tokens, which must "
+            "hold the prompt and at least one generated token",
+            "context_length_exceeded",
+        )
+    max_tokens = _int(raw, "max_tokens", 16, 1, context)
+    if len(prompt_ids) + max_tokens > context:
+        raise RequestRejected(
+            "max_tokens",
+            f"max_tokens is {max_tokens} and the prompt has {len(prompt_ids)} tokens: together above this "
+            f"model's context of {context} tokens (at most {context - len(prompt_ids)} new tokens fit)",
+            "context_length_exceeded",
+        )
+    stop = raw.get("stop") or []
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestRejected("stop", "'stop' must be a list of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise RequestRejected(
+            "stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each"
+        )
+    stop_ids = _token_ids(raw.get("stop_token_ids") or [], "stop_token_ids", limits, MAX_STOP_TOKEN_IDS)
+    seed = raw.get("seed")
+    if seed is None:
+        seed = secrets.randbelow(SEED_LIMIT)
+    elif type(seed) is not int or not -SEED_LIMIT <= seed < SEED_LIMIT:
+        raise RequestRejected("seed", f"'seed' must be an integer within [-2^63, 2^63), got {seed!r}")
+    for flag in ("ignore_eos", "logprobs"):
+        if type(raw.get(flag, False)) is not bool:
+            raise RequestRejected(flag, f"'{flag}' must be a boolean")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_float(raw, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(raw, "top_p", 1.0, 1e-6, 1.0),
+        top_k=_int(raw, "top_k", 0, 0, limits.vocab_size),
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(raw.get("ignore_eos", False)),
+        logprobs=bool(raw.get("logprobs", False)),
+        top_logprobs=_int(raw, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS),
+    )
+    return GenerationRequest(request_id, prompt_ids, params)
