@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from iwg_worker.driver.pool import (
     Batch,
     BatchFailure,
     EmbedResult,
-    GenerateResult,
     ItemResult,
     MembershipEvent,
     MembershipListener,
@@ -27,6 +27,9 @@ class FakeReplica:
     fail_next: int = 0  # how many coming batches die with the replica
     error_next: int = 0  # how many coming batches raise a worker error
     batches: list[Batch] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    die_after_items: int | None = None  # the replica dies after sending this many items of a stream
     hang: bool = False
 
 
@@ -65,17 +68,45 @@ class FakePool:
         if rep.error_next:
             rep.error_next -= 1
             raise BatchFailure("ValueError: boom")
-        if batch.task == "generate":
-            assert batch.params is not None
-            # "Generates" the prompt reversed, cut to max_tokens characters (one token per character).
-            texts = [str(x)[::-1][: batch.params.max_tokens] for x in batch.inputs]
-            return [
-                GenerateResult(
-                    t, len(str(x)), len(t), "length" if len(t) == batch.params.max_tokens else "stop"
-                )
-                for x, t in zip(batch.inputs, texts, strict=True)
-            ]
         return [EmbedResult(np.array([len(str(x)), replica], dtype=np.float32), 1) for x in batch.inputs]
+
+    async def open_stream(
+        self, replica: int, request: dict[str, Any], timeout: float
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
+        """ "Generates" the prompt reversed, one character (token) per item, cut at max_tokens or a stop."""
+        rep = self.replicas[replica]
+        rep.requests.append(request)
+        if rep.state is not ReplicaState.SERVING:
+            raise ReplicaFailure(f"replica {replica} is {rep.state.value}")
+        prompt = request.get("prompt") or " ".join(map(str, request["prompt_ids"]))
+        text = prompt[::-1][: request["max_tokens"]]
+        cut = min((p for p in (text.find(s) for s in request.get("stop") or []) if p >= 0), default=-1)
+        finish = "stop" if cut >= 0 or len(text) < request["max_tokens"] else "length"
+        text = text[:cut] if cut >= 0 else text
+
+        async def items() -> AsyncIterator[dict[str, Any]]:
+            for i, char in enumerate(text or " "):
+                await asyncio.sleep(rep.delay_s / max(1, len(text)))
+                if rep.die_after_items == i:
+                    raise ReplicaFailure(f"replica {replica} died")
+                last = i == len(text or " ") - 1
+                yield {
+                    "id": request["id"],
+                    "tokens": [ord(char)] if text else [],
+                    "text": char if text else "",
+                    "logprobs": None,
+                    "top_logprobs": None,
+                    "finish_reason": finish if last else None,
+                    "error": None,
+                }
+
+        return items(), {"id": request["id"], "ok": True, "prompt_tokens": len(prompt)}
+
+    async def cancel_streams(self, replica: int, request_ids: list[str], timeout: float) -> None:
+        self.replicas[replica].cancelled.extend(request_ids)
+
+    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
+        return {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage": 0.0}
 
     async def close(self) -> None:
         pass

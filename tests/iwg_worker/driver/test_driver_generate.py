@@ -4,6 +4,7 @@ with transformers directly."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,38 @@ async def test_bad_completion_requests(client: TestClient[Any, Any]) -> None:
         payload = await resp.json()
         assert resp.status == 400, (body, payload)
         assert payload["error"]["param"] == param, (body, payload)
+
+
+async def test_a_streamed_completion_is_server_sent_events_that_join_to_the_same_answer(
+    client: TestClient[Any, Any],
+) -> None:
+    body = {"model": "tiny", "prompt": ["w1 w2 w3", "w9"], "max_tokens": 6, "temperature": 0}
+    plain = await (await client.post("/v1/completions", json=body)).json()
+    resp = await client.post(
+        "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    raw = await resp.text()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in raw.split("\n\n") if e)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) > 3  # token by token, not one body
+    for index, choice in enumerate(plain["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"]
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["object"] == "text_completion"
+
+
+async def test_a_streamed_request_refused_by_the_engine_is_an_ordinary_400(
+    client: TestClient[Any, Any],
+) -> None:
+    # 60 tokens of prompt leave room for 4 new ones in this model's 64 positions.
+    body = {"model": "tiny", "prompt": " ".join(["w1"] * 60), "max_tokens": 10, "stream": True}
+    resp = await client.post("/v1/completions", json=body)
+    payload = await resp.json()
+    assert resp.status == 400 and payload["error"]["param"] == "max_tokens", payload
+    assert "64" in payload["error"]["message"]

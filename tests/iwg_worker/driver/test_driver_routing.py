@@ -279,7 +279,7 @@ async def test_metrics_expose_queue_inflight_latency_and_batch_sizes() -> None:
         assert name in text, name
 
 
-async def test_completions_batch_by_sampling_parameters_and_apply_stop_sequences() -> None:
+async def test_completions_stream_each_prompt_from_an_engine_with_its_own_parameters() -> None:
     pool = FakePool(replicas=1, delay_s=0.05)
     async with serve(pool, task="generate", max_wait_ms=30) as (client, _driver):
 
@@ -299,11 +299,11 @@ async def test_completions_batch_by_sampling_parameters_and_apply_stop_sequences
     assert long["usage"] == {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}
     assert stopped["choices"][0]["text"] == "cba-" and stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["object"] == "text_completion" and stopped["id"].startswith("cmpl-")
-    # Requests with different sampling parameters never share a batch.
-    params = [b.params for b in pool.replicas[0].batches]
-    assert all(p is not None for p in params)
-    by_max_tokens = {p.max_tokens for p in params if p is not None}
-    assert by_max_tokens == {3, 10, 20} and len(pool.replicas[0].batches) == 3
+    # Every prompt is its own engine request, carrying its request's parameters; none was cancelled.
+    requests = pool.replicas[0].requests
+    assert sorted(r["max_tokens"] for r in requests) == [3, 10, 10, 20]
+    assert [r["stop"] for r in requests if r["max_tokens"] == 20] == [["pots"]]
+    assert len({r["id"] for r in requests}) == 4 and pool.replicas[0].cancelled == []
 
 
 async def test_embeddings_on_a_generate_group_is_a_400() -> None:
@@ -335,7 +335,7 @@ async def test_token_ids_outside_the_vocabulary_are_a_400_and_never_reach_a_repl
     for word in words:
         assert word in body["error"]["message"], body
     assert ok.status == 200
-    assert [b.inputs for b in pool.replicas[0].batches] == [((5, 96),)]
+    assert [r["prompt_ids"] for r in pool.replicas[0].requests] == [[5, 96]]
 
 
 async def test_a_drained_replica_that_left_serves_again_when_its_index_comes_back() -> None:
@@ -358,4 +358,28 @@ async def test_a_token_id_prompt_that_fills_the_models_context_is_a_400() -> Non
     assert resp.status == 400 and body["error"]["param"] == "prompt[1]", body
     assert "64 tokens" in body["error"]["message"] and "64 positions" in body["error"]["message"], body
     assert ok.status == 200
-    assert [len(b.inputs[0]) for b in pool.replicas[0].batches] == [63]
+    assert [len(r["prompt_ids"]) for r in pool.replicas[0].requests] == [63]
+
+
+async def test_a_stream_that_produced_nothing_is_retried_and_one_that_did_is_not() -> None:
+    pool = FakePool(replicas=2, delay_s=0.02)
+    async with serve(pool, task="generate") as (client, _driver):
+        pool.replicas[0].die_after_items = 0
+        pool.replicas[1].die_after_items = 0
+        # Both replicas die before any output: tried on each, once, then a 503 that says so.
+        resp = await client.post("/v1/completions", json={"model": "minilm", "prompt": "abcdef"})
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "replica_failure"
+        assert [len(pool.replicas[r].requests) for r in (0, 1)] == [1, 1]
+        pool.replicas[1].die_after_items = None
+        resp = await client.post("/v1/completions", json={"model": "minilm", "prompt": "abcdef"})
+        body = await resp.json()
+        assert resp.status == 200 and body["choices"][0]["text"] == "fedcba", body
+        # Output already sent cannot be taken back: a replica dying mid-stream fails the request, no retry.
+        pool.replicas[0].die_after_items = 2
+        pool.replicas[1].die_after_items = 2
+        before = [len(pool.replicas[r].requests) for r in (0, 1)]
+        resp = await client.post("/v1/completions", json={"model": "minilm", "prompt": "abcdef"})
+        body = await resp.json()
+        assert resp.status == 503 and "mid-way" in body["error"]["message"], body
+        after = [len(pool.replicas[r].requests) for r in (0, 1)]
+        assert sum(after) - sum(before) == 1

@@ -6,12 +6,13 @@ always a 4xx that names the problem, never a 500.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -197,13 +198,13 @@ def _quiet_client_errors() -> None:
 
 
 async def _timed(
-    request: web.Request, endpoint: str, call: Callable[[], Awaitable[BaseModel]]
-) -> web.Response:
+    request: web.Request, endpoint: str, call: Callable[[], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     driver = request.app[DRIVER_KEY]
     started = time.monotonic()
     status = 200
     try:
-        return _model_json(await call())
+        return await call()
     except (ApiError, web.HTTPException) as exc:
         status = exc.status
         raise
@@ -215,22 +216,59 @@ async def _timed(
         driver.metrics.request_latency.labels(endpoint=endpoint).observe(time.monotonic() - started)
 
 
-async def _embeddings(request: web.Request) -> web.Response:
+async def _embeddings(request: web.Request) -> web.StreamResponse:
     driver = request.app[DRIVER_KEY]
 
-    async def call() -> BaseModel:
-        return await driver.embed(await _parse(request, EmbeddingRequest))
+    async def call() -> web.StreamResponse:
+        return _model_json(await driver.embed(await _parse(request, EmbeddingRequest)))
 
     return await _timed(request, "embeddings", call)
 
 
-async def _completions(request: web.Request) -> web.Response:
+async def _completions(request: web.Request) -> web.StreamResponse:
     driver = request.app[DRIVER_KEY]
 
-    async def call() -> BaseModel:
-        return await driver.complete(await _parse(request, CompletionRequest))
+    async def call() -> web.StreamResponse:
+        req = await _parse(request, CompletionRequest)
+        if req.stream:
+            return await _server_sent_events(request, driver.stream_completion(req))
+        return _model_json(await driver.complete(req))
 
     return await _timed(request, "completions", call)
+
+
+async def _server_sent_events(
+    request: web.Request, chunks: AsyncGenerator[dict[str, Any]]
+) -> web.StreamResponse:
+    """Chunks as OpenAI streams them: ``data: {json}`` events, then ``data: [DONE]``. An error before the
+    first chunk is an ordinary error response; one after it is a last ``data: {"error": ...}`` event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            first: dict[str, Any] | None = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        try:
+            if first is not None:
+                await response.write(_event(first))
+                async for chunk in chunks:
+                    await response.write(_event(chunk))
+        except ApiError as exc:
+            await response.write(_event(exc.body()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _models(request: web.Request) -> web.Response:

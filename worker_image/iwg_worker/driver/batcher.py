@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from iwg_worker.driver.metrics import DriverMetrics
-from iwg_worker.driver.pool import Batch, GenerateParams, ItemResult, Task
+from iwg_worker.driver.pool import Batch, ItemResult, Task
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ class BatchParams:
 @dataclass(frozen=True)
 class BatchKey:
     task: Task
-    params: GenerateParams | None = None
     token_ids: bool = False  # inputs are token ids, not text: a replica gets one kind per batch
 
 
@@ -141,7 +140,7 @@ class Batcher:
         now = time.monotonic()
         for item in items:
             self._metrics.queue_wait.observe(now - item.enqueued)
-        batch = Batch(task=key.task, inputs=tuple(i.input for i in items), params=key.params)
+        batch = Batch(task=key.task, inputs=tuple(i.input for i in items))
         return batch, items
 
     def _set_depth(self, depth: int) -> None:

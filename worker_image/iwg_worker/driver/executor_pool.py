@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,6 @@ from iwg_worker.driver.pool import (
     Batch,
     BatchFailure,
     EmbedResult,
-    GenerateResult,
     InputRejected,
     ItemOutcome,
     ItemResult,
@@ -39,6 +38,7 @@ from iwg_worker.executor.base import (
     RPCTimeoutError,
 )
 from iwg_worker.executor.base import MembershipEvent as ExecutorEvent
+from iwg_worker.executor.streams import GenerationStream, StreamFailed
 from iwg_worker.protocol import EncodeError, unencodable
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class ExecutorPool:
             kept = [i for i in range(len(batch.inputs)) if i not in rejected]
             results: list[ItemOutcome] = []
             if kept:
-                sub = Batch(batch.task, tuple(batch.inputs[i] for i in kept), batch.params)
+                sub = Batch(batch.task, tuple(batch.inputs[i] for i in kept))
                 results = list(await self._execute(replica, sub, timeout))
             outcomes = dict(zip(kept, results, strict=True))
             return [
@@ -131,27 +131,44 @@ class ExecutorPool:
         except (KeyError, TypeError, ValueError) as exc:
             raise BatchFailure(f"replica {replica} sent a reply of an unexpected shape: {exc}") from exc
 
+    # -- streams -----------------------------------------------------------------------------------------------
+
+    async def open_stream(
+        self, replica: int, request: dict[str, Any], timeout: float
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
+        try:
+            stream, answer = await self.executor.open_stream(request, replica, timeout)
+        except (ReplicaLostError, ReplicaUnavailableError, RPCTimeoutError, RuntimeError) as exc:
+            raise ReplicaFailure(str(exc)) from exc
+        return _stream_items(stream), answer
+
+    async def cancel_streams(self, replica: int, request_ids: list[str], timeout: float) -> None:
+        with contextlib.suppress(Exception):  # the replica may be gone, which frees its cache anyway
+            await self.executor.cancel_streams(request_ids, replica, timeout)
+
+    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
+        stats: dict[str, Any] = await self.executor.collective_rpc_async(
+            "engine_stats", timeout=timeout, unique_reply_rank=self.executor.output_rank, replica=replica
+        )
+        return stats
+
     async def close(self) -> None:
         self._unsubscribe()
         await asyncio.to_thread(self.executor.shutdown)
 
 
+async def _stream_items(stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for item in stream:
+            yield item
+    except StreamFailed as exc:
+        raise BatchFailure(str(exc)) from exc
+    except (ReplicaLostError, RuntimeError) as exc:
+        raise ReplicaFailure(str(exc)) from exc
+
+
 def _payload(batch: Batch) -> dict[str, Any]:
-    if batch.task == "embed":
-        return {"inputs": list(batch.inputs)}
-    params = batch.params
-    assert params is not None
-    payload: dict[str, Any] = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "seed": params.seed,
-    }
-    if all(isinstance(x, str) for x in batch.inputs):
-        payload["prompts"] = list(batch.inputs)
-    else:
-        payload["input_ids"] = [list(x) for x in batch.inputs]
-    return payload
+    return {"inputs": list(batch.inputs)}
 
 
 def _as_array(value: Any) -> np.ndarray[Any, Any]:
@@ -164,28 +181,9 @@ def _results(batch: Batch, reply: Any) -> list[ItemResult]:
     if not isinstance(reply, dict):
         raise TypeError(f"execute_model returned {type(reply).__name__}, not a map")
     n = len(batch.inputs)
-    if batch.task == "embed":
-        embeddings = _as_array(reply["embeddings"]).astype(np.float32, copy=False)
-        if embeddings.ndim != 2 or embeddings.shape[0] != n:
-            raise ValueError(f"embeddings of shape {embeddings.shape} for {n} inputs")
-        counts = reply.get("prompt_tokens")
-        tokens = [int(c) for c in _as_array(counts).reshape(-1)] if counts is not None else [0] * n
-        return [EmbedResult(embeddings[i], tokens[i]) for i in range(n)]
-    params = batch.params
-    assert params is not None
-    token_ids: list[list[int]] = reply["token_ids"]
-    texts: list[str] = reply.get("text") or ["" for _ in token_ids]
-    prompt_counts = reply.get("prompt_tokens") or [
-        len(x) if not isinstance(x, str) else 0 for x in batch.inputs
-    ]
-    if len(token_ids) != n or len(texts) != n:
-        raise ValueError(f"{len(token_ids)} generations for {n} prompts")
-    return [
-        GenerateResult(
-            text=texts[i],
-            prompt_tokens=int(prompt_counts[i]),
-            completion_tokens=len(token_ids[i]),
-            finish_reason="length" if len(token_ids[i]) >= params.max_tokens else "stop",
-        )
-        for i in range(n)
-    ]
+    embeddings = _as_array(reply["embeddings"]).astype(np.float32, copy=False)
+    if embeddings.ndim != 2 or embeddings.shape[0] != n:
+        raise ValueError(f"embeddings of shape {embeddings.shape} for {n} inputs")
+    counts = reply.get("prompt_tokens")
+    tokens = [int(c) for c in _as_array(counts).reshape(-1)] if counts is not None else [0] * n
+    return [EmbedResult(embeddings[i], tokens[i]) for i in range(n)]

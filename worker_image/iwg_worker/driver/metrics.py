@@ -80,6 +80,31 @@ class DriverMetrics:
         )
         self.max_wait_seconds = Gauge("iwg_max_wait_seconds", "Current dynamic-batching max wait", registry=r)
 
+        self.time_to_first_token = Histogram(
+            "iwg_time_to_first_token_seconds",
+            "Time from admitting a generation request to its first output",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "iwg_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a generation request",
+            buckets=(0.001, 0.0025, *LATENCY_BUCKETS),
+            registry=r,
+        )
+        self.requests_running = Gauge(
+            "iwg_requests_running", "Generation requests in the engines' running batches", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "iwg_requests_waiting", "Generation requests the engines hold waiting for room", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "iwg_kv_cache_usage",
+            "Share of a replica's KV cache blocks held by requests",
+            ["replica"],
+            registry=r,
+        )
+
     def set_replica_state(self, replica: int, state: str) -> None:
         for s in REPLICA_STATES:
             self.replica_state.labels(replica=str(replica), state=s).set(1.0 if s == state else 0.0)

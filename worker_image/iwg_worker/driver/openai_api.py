@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 
 class _Request(BaseModel):
@@ -31,6 +31,10 @@ class EmbeddingRequest(_Request):
     user: ShortStr | None = None
 
 
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
 class CompletionRequest(_Request):
     model: ShortStr
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -40,7 +44,13 @@ class CompletionRequest(_Request):
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
-    stream: Literal[False] = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions: top-k sampling (0 or -1: off), more tokens that end generation, and max_tokens even
+    # past end-of-sequence.
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = 0
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] = []
+    ignore_eos: StrictBool = False
     echo: Literal[False] = False
     logprobs: None = None
     user: ShortStr | None = None

@@ -8,9 +8,9 @@ MultiprocExecutor under `iwg serve`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -25,20 +25,11 @@ class ReplicaState(enum.Enum):
 
 
 @dataclass(frozen=True)
-class GenerateParams:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-
-
-@dataclass(frozen=True)
 class Batch:
-    """Inputs that travel to one replica together. `params` is None for embeddings."""
+    """Inputs that travel to one replica together (embeddings; generation streams per request)."""
 
     task: Task
     inputs: tuple[str | tuple[int, ...], ...]
-    params: GenerateParams | None = None
 
 
 @dataclass(frozen=True)
@@ -47,15 +38,7 @@ class EmbedResult:
     prompt_tokens: int
 
 
-@dataclass(frozen=True)
-class GenerateResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: Literal["stop", "length"]
-
-
-ItemResult = EmbedResult | GenerateResult
+ItemResult = EmbedResult
 
 
 class InputRejected(Exception):
@@ -101,6 +84,25 @@ class ReplicaPool(Protocol):
 
         Raises ReplicaFailure when the replica dies or `timeout` passes, BatchFailure when it reports an error.
         """
+        ...
+
+    async def open_stream(
+        self, replica: int, request: dict[str, Any], timeout: float
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
+        """Start one generation request on `replica`'s engine: its items (ending with the one that has a
+        ``finish_reason``) and the engine's answer (``ok`` with ``prompt_tokens``, or ``ok: false`` with
+        ``error: {param, message, code}``: refused, nothing runs).
+
+        Raises ReplicaFailure when the replica cannot take it; iterating raises ReplicaFailure when the replica
+        dies mid-stream, BatchFailure when the engine failed the request."""
+        ...
+
+    async def cancel_streams(self, replica: int, request_ids: list[str], timeout: float) -> None:
+        """Stop requests on `replica`'s engine; their KV cache is freed at its next step."""
+        ...
+
+    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
+        """`replica`'s engine counts: requests_running, requests_waiting, kv_cache_usage, ..."""
         ...
 
     async def close(self) -> None: ...

@@ -8,9 +8,10 @@ by request id), so no input is answered twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from iwg_worker.driver.batcher import QueuedItem
 from iwg_worker.driver.metrics import DriverMetrics
@@ -193,22 +194,31 @@ class Router:
             lambda: any(r not in exclude for r in self.serving()), self.no_replica_grace_s
         )
 
-    async def _execute(self, replica: int, batch: Batch) -> list[ItemOutcome]:
+    @contextlib.contextmanager
+    def claim(self, replica: int) -> Iterator[None]:
+        """Count a batch or a generation stream as in flight on ``replica`` while the block runs."""
         self._inflight[replica] = self._inflight.get(replica, 0) + 1
         self._publish(replica)
-        self._metrics.batch_size.observe(len(batch.inputs))
-        self._metrics.batches.labels(replica=str(replica)).inc()
-        started = time.monotonic()
         try:
-            results = await self._pool.execute(replica, batch, self._batch_timeout)
-            elapsed = time.monotonic() - started
-            self._metrics.batch_latency.observe(elapsed)
-            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
-            return list(results)
+            yield
         finally:
             self._inflight[replica] -= 1
             self._publish(replica)
             self._wake()
+
+    async def _execute(self, replica: int, batch: Batch) -> list[ItemOutcome]:
+        with self.claim(replica):
+            return await self._execute_claimed(replica, batch)
+
+    async def _execute_claimed(self, replica: int, batch: Batch) -> list[ItemOutcome]:
+        self._metrics.batch_size.observe(len(batch.inputs))
+        self._metrics.batches.labels(replica=str(replica)).inc()
+        started = time.monotonic()
+        results = await self._pool.execute(replica, batch, self._batch_timeout)
+        elapsed = time.monotonic() - started
+        self._metrics.batch_latency.observe(elapsed)
+        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+        return list(results)
 
     # -- drain -------------------------------------------------------------------------------------------------
 

@@ -34,7 +34,10 @@ async def run_driver(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     driver.start()
-    runner = web.AppRunner(build_app(driver, admin_token), handle_signals=False, access_log=None)
+    # A client that goes away cancels its handler: a generation request is then cancelled on the worker.
+    runner = web.AppRunner(
+        build_app(driver, admin_token), handle_signals=False, access_log=None, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

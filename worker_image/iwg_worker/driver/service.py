@@ -13,9 +13,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -37,8 +37,6 @@ from iwg_worker.driver.openai_api import (
 from iwg_worker.driver.pool import (
     BatchFailure,
     EmbedResult,
-    GenerateParams,
-    GenerateResult,
     InputRejected,
     ItemResult,
     ReplicaFailure,
@@ -46,6 +44,7 @@ from iwg_worker.driver.pool import (
     Task,
 )
 from iwg_worker.driver.router import NoReplica, Router
+from iwg_worker.driver.streams import GenerationService, StreamInterrupted, StreamUsage
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +66,8 @@ class DriverConfig:
     batch_timeout_s: float = 30.0
     no_replica_grace_s: float = 5.0
     max_inflight_per_replica: int = 2
+    generation_timeout_s: float = 600.0  # a generation request's deadline (it is cancelled on the worker)
+    max_streams: int = 1024  # generation requests admitted at once before 429
     accepts_token_ids: bool = False
     vocab_size: int | None = None  # token ids must be below it (below 2**31 when the model's is unknown)
     context_length: int | None = None  # a token-id prompt must leave room for one generated token
@@ -87,7 +88,9 @@ class Driver:
             batch_timeout_s=config.batch_timeout_s,
             no_replica_grace_s=config.no_replica_grace_s,
         )
+        self.generations = GenerationService(pool, self.router, self.metrics, config.generation_timeout_s)
         self.created = int(time.time())
+        self._stats_poller: asyncio.Task[None] | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._embedding_dim: int | None = None
@@ -97,6 +100,8 @@ class Driver:
     def start(self) -> None:
         if self._dispatcher is None:
             self._dispatcher = asyncio.create_task(self._dispatch(), name="iwg-dispatch")
+        if self._stats_poller is None and self.config.task == "generate":
+            self._stats_poller = asyncio.create_task(self.generations.poll_stats(), name="iwg-engine-stats")
 
     @property
     def alive(self) -> bool:
@@ -107,6 +112,8 @@ class Driver:
         return self.alive and bool(self.router.serving())
 
     async def stop(self) -> None:
+        if self._stats_poller is not None:
+            self._stats_poller.cancel()
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -167,6 +174,81 @@ class Driver:
         return EmbeddingResponse.model_construct(object="list", data=data, model=req.model, usage=usage)
 
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
+        """A completion: every prompt streamed from an engine, collected into one response."""
+        requests = self._generation_requests(req)
+        usages = [StreamUsage() for _ in requests]
+
+        async def collect(index: int) -> str:
+            parts = [item["text"] async for item in self._generate(requests[index], usages[index])]
+            return "".join(parts)
+
+        texts = await _all_or_none([collect(i) for i in range(len(requests))])
+        choices = [
+            CompletionChoice(text=text, index=i, finish_reason=_finish(usages[i]))
+            for i, text in enumerate(texts)
+        ]
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=_usage(usages)
+        )
+
+    async def stream_completion(self, req: CompletionRequest) -> AsyncGenerator[dict[str, Any]]:
+        """The chunks of a streamed completion (OpenAI's ``text_completion`` chunk bodies), every prompt's
+        chunks as they come; the last one carries ``usage`` when ``stream_options.include_usage`` is set."""
+        requests = self._generation_requests(req)
+        usages = [StreamUsage() for _ in requests]
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for item in self._generate(requests[index], usages[index]):
+                    await queue.put((index, item))
+            except BaseException as exc:  # delivered to the reader, which raises it
+                await queue.put((index, exc))
+                return
+            await queue.put((index, None))
+
+        # Admission errors (a 400 for a prompt) surface before any chunk is sent: start each request first.
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield {
+                    "id": completion_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [
+                        {
+                            "text": item["text"],
+                            "index": index,
+                            "logprobs": None,
+                            "finish_reason": item["finish_reason"],
+                        }
+                    ],
+                }
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield {
+                    "id": completion_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [],
+                    "usage": _usage(usages).model_dump(),
+                }
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _generation_requests(self, req: CompletionRequest) -> list[dict[str, Any]]:
         self._check_model(req.model, "generate", "/v1/completions")
         prompts = self._prompts(req.prompt)
         if req.max_tokens > self.config.max_completion_tokens:
@@ -181,28 +263,43 @@ class Driver:
             raise ApiError(
                 400, "stop sequences must not be empty strings.", param="stop", code="invalid_value"
             )
-        params = GenerateParams(req.max_tokens, req.temperature, req.top_p, req.seed)
-        token_ids = not isinstance(prompts[0], str)
-        results = await self._run(prompts, BatchKey("generate", params, token_ids))
-        choices: list[CompletionChoice] = []
-        prompt_tokens = completion_tokens = 0
-        for index, result in enumerate(results):
-            assert isinstance(result, GenerateResult)
-            text, finish = result.text, result.finish_reason
-            cut = min((p for p in (text.find(s) for s in stops) if p >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            choices.append(CompletionChoice(text=text, index=index, finish_reason=finish))
-            prompt_tokens += result.prompt_tokens
-            completion_tokens += result.completion_tokens
-        usage = Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-        return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=usage
-        )
+        if self.generations.active + len(prompts) > self.config.max_streams:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise ApiError(
+                429,
+                f"The server is at capacity ({self.config.max_streams} generation requests running); retry "
+                "after 1 s.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        params: dict[str, Any] = {
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+            "stop": stops,
+            "top_k": max(0, req.top_k),
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+        }
+        return [
+            {**params, "prompt": p} if isinstance(p, str) else {**params, "prompt_ids": list(p)}
+            for p in prompts
+        ]
+
+    async def _generate(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
+        self.metrics.inflight_requests.inc()
+        try:
+            async with contextlib.aclosing(self.generations.stream(request, usage)) as items:
+                async for item in items:
+                    yield item
+        except StreamInterrupted as exc:
+            raise ApiError(
+                503, f"The request failed mid-way: {exc}.", type="service_unavailable", code="replica_failure"
+            ) from None
+        finally:
+            self.metrics.inflight_requests.dec()
 
     async def _run(
         self, inputs: Sequence[str | tuple[int, ...]], key: BatchKey, names: Sequence[str] | None = None
@@ -427,3 +524,29 @@ class Driver:
         )
         self.batcher.set_params(params)
         return {"max_batch_size": params.max_batch_size, "max_wait_ms": params.max_wait_s * 1000.0}
+
+
+def _finish(usage: StreamUsage) -> Literal["stop", "length"]:
+    return "length" if usage.finish_reason == "length" else "stop"
+
+
+def _usage(usages: list[StreamUsage]) -> Usage:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _all_or_none(calls: list[Coroutine[Any, Any, str]]) -> list[str]:
+    """Every call's result in order; when one fails, the others are cancelled (their generation requests
+    with them) and its error is raised."""
+    tasks = [asyncio.create_task(call) for call in calls]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,187 @@
+"""Generation requests at the driver: each one streamed from one replica's engine, token by token.
+
+`GenerationService.stream` picks the serving replica with the fewest running streams, starts the request on
+its engine and yields the engine's items as they come. What may happen to a request:
+
+- the engine refuses it (prompt beyond the context, a token id outside the vocabulary, ...): `ApiError` 400
+  naming the field, for this request alone;
+- its replica dies before the request produced anything: it is started again on another replica, once;
+- its replica dies after it produced tokens: it fails with a clear error (tokens a client has seen cannot be
+  taken back, so it is not silently restarted elsewhere);
+- its deadline passes, or its reader goes away (client disconnected, the handler was cancelled): it is
+  cancelled on the worker, which frees its KV cache at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from iwg_worker.driver.metrics import DriverMetrics
+from iwg_worker.driver.openai_api import ApiError
+from iwg_worker.driver.pool import BatchFailure, ReplicaFailure, ReplicaPool
+from iwg_worker.driver.router import Router
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 10.0
+_ids = itertools.count(1)
+_PREFIX = f"g{os.getpid():x}-{int(time.time()):x}"
+
+
+class StreamInterrupted(Exception):
+    """The request had already produced output when it failed; what was sent stands, the rest is lost."""
+
+
+@dataclass(slots=True)
+class StreamUsage:
+    """Counts of one generation request, filled in while it streams."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class GenerationService:
+    def __init__(self, pool: ReplicaPool, router: Router, metrics: DriverMetrics, timeout_s: float) -> None:
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.active = 0  # requests admitted and not yet ended
+
+    async def stream(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
+        """The request's items in order; `ApiError` when it cannot run, `StreamInterrupted` mid-way."""
+        self.active += 1
+        try:
+            async with contextlib.aclosing(self._stream(request, usage)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
+        request = {**request, "id": f"{_PREFIX}-{next(_ids)}"}
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        tried: frozenset[int] = frozenset()
+        last_error: Exception | None = None
+        for _attempt in range(2):
+            replica = self.router.pick(tried, respect_limit=False)
+            if replica is None and not tried:
+                await self.router.wait_for_serving(self.router.no_replica_grace_s)
+                replica = self.router.pick(tried, respect_limit=False)
+            if replica is None:
+                break
+            tried = tried | {replica}
+            with self.router.claim(replica):
+                try:
+                    items, answer = await self.pool.open_stream(replica, request, CONTROL_TIMEOUT_S)
+                except ReplicaFailure as exc:
+                    last_error = exc
+                    self.metrics.replica_failures.labels(replica=str(replica)).inc()
+                    continue
+                if not answer.get("ok"):
+                    error = answer.get("error") or {}
+                    raise ApiError(
+                        400,
+                        f"{error.get('message', 'the request was refused')}.",
+                        param=error.get("param"),
+                        code=error.get("code"),
+                    )
+                usage.prompt_tokens = int(answer.get("prompt_tokens", 0))
+                produced = False
+                finished = False
+                try:
+                    last_at = started
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        async for item in items:
+                            now = time.monotonic()
+                            if not produced:
+                                self.metrics.time_to_first_token.observe(now - started)
+                            elif item["tokens"]:
+                                self.metrics.inter_token_latency.observe(
+                                    (now - last_at) / len(item["tokens"])
+                                )
+                            last_at = now
+                            produced = True
+                            usage.completion_tokens += len(item["tokens"])
+                            usage.finish_reason = item["finish_reason"]
+                            finished = item["finish_reason"] is not None
+                            yield item
+                    return
+                except TimeoutError:
+                    raise self._timeout(produced) from None
+                except ReplicaFailure as exc:
+                    self.metrics.replica_failures.labels(replica=str(replica)).inc()
+                    if produced:
+                        raise StreamInterrupted(
+                            f"replica {replica} failed after this request produced output: {exc}"
+                        ) from None
+                    last_error = exc
+                    log.warning("retrying a generation request on another replica after: %s", exc)
+                    self.metrics.retries.inc()
+                    continue
+                except BatchFailure as exc:
+                    if produced:
+                        raise StreamInterrupted(str(exc)) from None
+                    raise ApiError(
+                        500, f"The model failed on this request: {exc}", type="server_error"
+                    ) from None
+                finally:
+                    if not finished:
+                        await _shielded(self.pool.cancel_streams(replica, [request["id"]], CONTROL_TIMEOUT_S))
+        if last_error is None:
+            raise ApiError(
+                503,
+                "No replica of this model is serving right now; retry shortly.",
+                type="service_unavailable",
+                code="no_replica",
+                headers={"Retry-After": str(max(1, int(self.router.no_replica_grace_s)))},
+            )
+        raise ApiError(
+            503,
+            f"No replica could serve this request: {last_error}.",
+            type="service_unavailable",
+            code="replica_failure",
+            headers={"Retry-After": "1"},
+        )
+
+    def _timeout(self, produced: bool) -> Exception:
+        message = f"The request did not complete within {self.timeout_s:g} s."
+        if produced:
+            return StreamInterrupted(message)
+        return ApiError(504, message, type="timeout", code="timeout")
+
+    async def poll_stats(self, interval_s: float = 1.0) -> None:
+        """Export the engines' counts (requests running and waiting, KV cache usage) every ``interval_s``."""
+        while True:
+            running = waiting = 0
+            for replica in self.router.serving():
+                try:
+                    stats = await self.pool.engine_stats(replica, CONTROL_TIMEOUT_S)
+                except Exception as exc:
+                    log.debug("engine stats of replica %d: %s", replica, exc)
+                    continue
+                running += int(stats.get("requests_running", 0))
+                waiting += int(stats.get("requests_waiting", 0))
+                self.metrics.kv_cache_usage.labels(replica=str(replica)).set(
+                    float(stats.get("kv_cache_usage", 0.0))
+                )
+            self.metrics.requests_running.set(running)
+            self.metrics.requests_waiting.set(waiting)
+            await asyncio.sleep(interval_s)
+
+
+async def _shielded(call: Any) -> None:
+    """Run a clean-up call to its end even when the caller is being cancelled."""
+    task = asyncio.ensure_future(call)
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.shield(task)
