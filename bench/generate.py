@@ -1,0 +1,280 @@
+"""Generation throughput and latency of `iwg serve` (SmolLM2-135M-Instruct, CPU, float32), beside
+transformers' continuous batching called directly in this process and the old one-prompt-at-a-time path,
+all measured in one run on the same prompts.
+
+    python -m bench.generate [--streams 1,8,32,64] [--output-tokens 128] [--serial-prompts 4]
+
+- direct: transformers' `ContinuousBatchingManager` on the same weights with the same cache settings as the
+  worker, the requests added at once, tokens streamed back;
+- iwg serve: N concurrent streamed `/v1/completions` requests over HTTP (driver + one worker process + ZMQ);
+- one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
+  ``--serial-prompts`` prompts: its rate does not depend on how many streams wait.
+
+Prompts are 32 to 512 tokens; every request generates exactly ``--output-tokens`` tokens (greedy,
+end-of-sequence ignored). Reported per concurrency: output tokens/s, time to first token and inter-token
+latency (p50, p99), and the ratios iwg/direct and iwg/one-at-a-time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = (32, 64, 128, 256, 512)
+PAGE_SIZE = 64
+KV_BLOCKS = 704  # 64 streams of up to 512 + 128 tokens fit at once
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    base = tokenizer("The operator schedules inference workers onto nodes with free accelerators. ")[
+        "input_ids"
+    ]
+    prompts = []
+    for i in range(count):
+        size = PROMPT_TOKENS[i % len(PROMPT_TOKENS)]
+        ids = (base * (size // len(base) + 1))[: size - 1]
+        prompts.append([*ids, 100 + i])  # distinct prompts
+    return prompts
+
+
+def run_direct(model: Any, prompts: list[list[int]], output_tokens: int) -> Run:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cb = ContinuousBatchingConfig(
+        page_size=PAGE_SIZE,
+        num_blocks=KV_BLOCKS,
+        max_batch_tokens=1024,
+        use_async_batching=False,
+        auto_switch_to_flash=False,
+        allow_block_sharing=False,
+    )
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, max_new_tokens=output_tokens, eos_token_id=-1),
+        continuous_batching_config=cb,
+    )
+    manager.start()
+    while manager.batch_processor is None:  # the cache is allocated on the engine's thread: not timed
+        time.sleep(0.01)
+    run = Run()
+    seen: dict[str, int] = {}
+    last: dict[str, float] = {}
+    try:
+        started = time.monotonic()
+        ids = [
+            manager.add_request(p, max_new_tokens=output_tokens, streaming=True, eos_token_id=-1)
+            for p in prompts
+        ]
+        done = 0
+        while done < len(ids):
+            out = manager.get_result(timeout=600)
+            if out is None:
+                raise RuntimeError("the direct engine stopped")
+            now = time.monotonic()
+            count = len(out.generated_tokens)
+            new = count - seen.get(out.request_id, 0)
+            if new > 0:
+                if out.request_id not in seen:
+                    run.ttft.append(now - started)
+                else:
+                    run.itl.append((now - last[out.request_id]) / new)
+                seen[out.request_id] = count
+                last[out.request_id] = now
+            if out.is_finished():
+                done += 1
+        run.seconds = time.monotonic() - started
+        run.tokens = sum(seen.values())
+    finally:
+        manager.stop(block=True, timeout=30)
+    return run
+
+
+def run_serial(model: Any, prompts: list[list[int]], output_tokens: int) -> Run:
+    import torch
+
+    run = Run()
+    started = time.monotonic()
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=output_tokens,
+                min_new_tokens=output_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            run.tokens += out.shape[1] - len(prompt)
+    run.seconds = time.monotonic() - started
+    return run
+
+
+async def run_serve(url: str, prompts: list[list[int]], output_tokens: int) -> Run:
+    import aiohttp
+
+    run = Run()
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int], started: float) -> int:
+        body = {
+            "model": "smollm2",
+            "prompt": prompt,
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        last = None
+        tokens = 0
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.monotonic()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                    continue
+                if last is None:
+                    run.ttft.append(now - started)
+                else:
+                    run.itl.append(now - last)
+                last = now
+        return tokens
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        started = time.monotonic()
+        counts = await asyncio.gather(*(one(session, p, started) for p in prompts))
+        run.seconds = time.monotonic() - started
+    run.tokens = sum(counts)
+    return run
+
+
+def start_serve(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    import yaml
+
+    from tests.iwg_worker.driver.conftest import free_port, wait_http
+
+    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+    manifest["spec"]["model"]["path"] = str(model_dir)
+    manifest["spec"]["model"]["kvCache"] = {"blocks": KV_BLOCKS}
+    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    log = tmp / "serve.log"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "iwg_worker.cli", "serve", str(tmp / "group.yaml"), "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/readyz", proc, 300, log)
+    return proc, url
+
+
+def row(name: str, streams: int, run: Run, ratios: str) -> str:
+    ms = 1000.0
+    return (
+        f"| {name} | {streams} | {run.rate:.1f} | {pct(run.ttft, 0.5) * ms:.0f} | {pct(run.ttft, 0.99) * ms:.0f} "
+        f"| {pct(run.itl, 0.5) * ms:.1f} | {pct(run.itl, 0.99) * ms:.1f} | {ratios} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", default="1,8,32,64")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--serial-prompts", type=int, default=4)
+    args = parser.parse_args()
+    levels = [int(x) for x in args.streams.split(",")]
+
+    import torch
+    from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
+
+    from tests.models import smollm2_dir
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = smollm2_dir()
+    source = model_source(model_dir)
+    tokenizer = load_tokenizer(source)
+    model = load_causal_lm(source, torch.float32, attn_implementation="sdpa").eval()
+    prompts = make_prompts(tokenizer, max(levels))
+    print(
+        f"# SmolLM2-135M-Instruct float32 on CPU ({os.cpu_count()} cores), load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"# prompts {PROMPT_TOKENS} tokens (cycled), {args.output_tokens} output tokens each, greedy\n")
+    serial = run_serial(model, prompts[: args.serial_prompts], args.output_tokens)
+    direct = {n: run_direct(model, prompts[:n], args.output_tokens) for n in levels}
+    del model
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_serve(model_dir, Path(tmp))
+        try:
+            asyncio.run(run_serve(url, prompts[:2], 8))  # warm-up
+            served = {n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens)) for n in levels}
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    print(
+        "| path | streams | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print(row("one prompt at a time", 1, serial, "1.00x (baseline)"))
+    for n in levels:
+        print(
+            row(
+                "transformers CB, direct",
+                n,
+                direct[n],
+                f"{direct[n].rate / serial.rate:.2f}x of one-at-a-time",
+            )
+        )
+        print(
+            row(
+                "iwg serve (HTTP, SSE)",
+                n,
+                served[n],
+                f"{served[n].rate / direct[n].rate:.2f}x of direct; {served[n].rate / serial.rate:.2f}x of one-at-a-time",
+            )
+        )
+    print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
