@@ -49,7 +49,9 @@ class CompletionRequest(_Request):
     # vLLM's extensions: top-k sampling (0 or -1: off), more tokens that end generation, and max_tokens even
     # past end-of-sequence.
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = 0
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] = []
+    stop_token_ids: Annotated[
+        list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)
+    ] = []
     ignore_eos: StrictBool = False
     echo: Literal[False] = False
     logprobs: None = None
