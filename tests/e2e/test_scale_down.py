@@ -43,9 +43,12 @@ def serve_slow_group(
     core: client.CoreV1Api,
     name: str,
     batch_seconds: float | None = None,
+    max_batch_size: int | None = None,
 ) -> str:
     """Two serving replicas of SlowWorker; returns the driver's address."""
     manifest = group_manifest(name, replicas=2)
+    if max_batch_size is not None:
+        manifest["spec"]["driver"]["batching"] = {"maxBatchSize": max_batch_size}
     manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
     if batch_seconds is not None:
         manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": f"{batch_seconds:g}"}]
@@ -135,7 +138,11 @@ def test_a_scale_down_undone_while_draining_leaves_the_replica_serving(
 ) -> None:
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "undo"
-    address = serve_slow_group(control_plane, node_agent, groups, core, name, batch_seconds=8)
+    # One input per batch: four clients' requests arriving together would otherwise share one batch, sent to
+    # replica 0 every time, and replica 1 might never get one.
+    address = serve_slow_group(
+        control_plane, node_agent, groups, core, name, batch_seconds=8, max_batch_size=1
+    )
     eventually(lambda: replica_state(address, 1) == "serving", 30, "replica 1 serving")
     replica_1 = {
         p.metadata.uid for p in groups.pods(name) if p.metadata.labels["inference.iwg.dev/replica"] == "1"
