@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = (32, 64, 128, 256, 512)
 PAGE_SIZE = 64
 KV_BLOCKS = 704  # 64 streams of up to 512 + 128 tokens fit at once
+MAX_BATCH_TOKENS = 1024  # the engine's CPU default
 
 
 @dataclass
@@ -73,7 +74,7 @@ def run_direct(model: Any, prompts: list[list[int]], output_tokens: int) -> Run:
     cb = ContinuousBatchingConfig(
         page_size=PAGE_SIZE,
         num_blocks=KV_BLOCKS,
-        max_batch_tokens=1024,
+        max_batch_tokens=MAX_BATCH_TOKENS,
         use_async_batching=False,
         auto_switch_to_flash=False,
         allow_block_sharing=False,

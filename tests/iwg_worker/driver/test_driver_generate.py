@@ -153,3 +153,11 @@ async def test_a_streamed_request_refused_by_the_engine_is_an_ordinary_400(
     payload = await resp.json()
     assert resp.status == 400 and payload["error"]["param"] == "max_tokens", payload
     assert "64" in payload["error"]["message"]
+
+
+async def test_chat_on_a_model_without_a_chat_template_is_a_400(client: TestClient[Any, Any]) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    payload = await resp.json()
+    assert resp.status == 400 and payload["error"]["param"] == "messages", payload
+    assert "chat template" in payload["error"]["message"]

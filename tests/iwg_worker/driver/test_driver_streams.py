@@ -138,6 +138,9 @@ async def test_dropped_streams_are_cancelled_on_the_worker_and_free_their_cache(
             await asyncio.sleep(0.5)
         busy = await metric(session, url, "iwg_kv_cache_usage")
         assert busy > 0
+        # The same signals under vLLM's names, for an inference gateway's endpoint picker.
+        assert await metric(session, url, "vllm:num_requests_running") == 8
+        assert await metric(session, url, "vllm:kv_cache_usage_perc") == busy  # one replica: its own
         for resp in dropped:
             resp.close()  # the client goes away mid-stream
         while (await metric(session, url, "iwg_requests_running")) > 4 and time.monotonic() < deadline:
@@ -149,3 +152,92 @@ async def test_dropped_streams_are_cancelled_on_the_worker_and_free_their_cache(
         while (await metric(session, url, "iwg_kv_cache_usage")) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         assert await metric(session, url, "iwg_kv_cache_usage") == 0
+
+
+def test_chat_through_the_official_client_answers_paris_and_streams_the_same_text(
+    served_smollm2: Served,
+) -> None:
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{served_smollm2.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    answer = plain.choices[0].message.content or ""
+    assert "Paris" in answer and plain.choices[0].finish_reason == "stop"
+    assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    )
+
+
+async def test_streamed_completions_through_the_async_client_join_to_the_plain_text(
+    served_smollm2: Served,
+) -> None:
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=f"{served_smollm2.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    plain = await api.completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=12, temperature=0, stop=[","]
+    )
+    chunks = [
+        c
+        async for c in await api.completions.create(
+            model=MODEL, prompt="The sea is", max_tokens=12, temperature=0, stop=[","], stream=True
+        )
+    ]
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert "," not in plain.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": []}, "messages"),
+        ({"logprobs": True}, "logprobs"),
+        ({"n": 2}, "n"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 9000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
+    ],
+    ids=[
+        "json response format",
+        "unknown role",
+        "no messages",
+        "logprobs",
+        "n=2",
+        "zero tokens",
+        "too many tokens",
+        "beyond the context",
+    ],
+)
+def test_bad_chat_requests_are_a_400_naming_the_field(
+    served_smollm2: Served, body: dict[str, Any], param: str
+) -> None:
+    import urllib.error
+    import urllib.request
+
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    req = urllib.request.Request(
+        f"{served_smollm2.url}/v1/chat/completions",
+        data=json.dumps(request).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    payload = json.loads(info.value.read())
+    assert info.value.code == 400 and payload["error"]["param"] == param, payload

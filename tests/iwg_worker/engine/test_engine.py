@@ -280,3 +280,16 @@ def test_a_gguf_file_is_a_model_source(smollm2: Path) -> None:
     assert model_source(smollm2).gguf_file is None
     with pytest.raises(ValueError, match="no weights"):
         model_source(gguf.parent.parent)  # a directory without a model
+
+
+def test_chat_messages_are_rendered_with_the_models_own_template(
+    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    eng, collector = engine
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = add(eng, {"id": "chat", "messages": messages, "max_tokens": 20, "temperature": 0.0})
+    assert answers[0]["prompt_tokens"] == len(chat_ids(reference[1], messages[0]["content"]))
+    collector.wait(["chat"])
+    assert collector.text("chat").strip() == "The capital of France is Paris."
+    refused = add(eng, {"id": "chat-bad", "messages": [{"role": "robot", "content": "hi"}]})
+    assert refused[0]["ok"] is False and refused[0]["error"]["param"] == "messages[0].role"

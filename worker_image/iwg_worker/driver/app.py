@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from iwg_worker.driver.openai_api import (
     ApiError,
+    ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     validation_error,
@@ -61,6 +62,7 @@ def build_app(
     app[ADMIN_TOKEN_KEY] = admin_token or ""
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/healthz", _healthz)
@@ -235,6 +237,18 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return _model_json(await driver.complete(req))
 
     return await _timed(request, "completions", call)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    driver = request.app[DRIVER_KEY]
+
+    async def call() -> web.StreamResponse:
+        req = await _parse(request, ChatCompletionRequest)
+        if req.stream:
+            return await _server_sent_events(request, driver.stream_chat(req))
+        return _model_json(await driver.chat(req))
+
+    return await _timed(request, "chat_completions", call)
 
 
 async def _server_sent_events(

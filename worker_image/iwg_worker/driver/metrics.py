@@ -105,6 +105,17 @@ class DriverMetrics:
             registry=r,
         )
 
+        # The model-server signals the Gateway API Inference Extension's endpoint picker reads, under vLLM's names.
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests in the engines' running batches", registry=r
+        )
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for room in the engines", registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage of the serving replicas, mean (0 to 1)", registry=r
+        )
+
     def set_replica_state(self, replica: int, state: str) -> None:
         for s in REPLICA_STATES:
             self.replica_state.labels(replica=str(replica), state=s).set(1.0 if s == state else 0.0)

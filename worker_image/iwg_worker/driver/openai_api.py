@@ -35,10 +35,11 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
-class CompletionRequest(_Request):
+class _GenerationRequest(_Request):
+    """What completions and chat completions share."""
+
     model: ShortStr
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 16
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
@@ -53,9 +54,31 @@ class CompletionRequest(_Request):
         list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)
     ] = []
     ignore_eos: StrictBool = False
+    user: ShortStr | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 16
     echo: Literal[False] = False
     logprobs: None = None
-    user: ShortStr | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[StrictStr, Field(max_length=32_768)]
+    name: ShortStr | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+    logprobs: Literal[False] = False
+    response_format: ResponseFormat | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -87,6 +110,27 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: None = None
     finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
 
 
 class CompletionResponse(BaseModel):

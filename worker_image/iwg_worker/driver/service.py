@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +23,10 @@ from iwg_worker.driver.batcher import Batcher, BatchKey, BatchParams, QueuedItem
 from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.openai_api import (
     ApiError,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -33,6 +37,7 @@ from iwg_worker.driver.openai_api import (
     ModelCard,
     ModelList,
     Usage,
+    _GenerationRequest,
 )
 from iwg_worker.driver.pool import (
     BatchFailure,
@@ -175,14 +180,11 @@ class Driver:
 
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
         """A completion: every prompt streamed from an engine, collected into one response."""
-        requests = self._generation_requests(req)
-        usages = [StreamUsage() for _ in requests]
-
-        async def collect(index: int) -> str:
-            parts = [item["text"] async for item in self._generate(requests[index], usages[index])]
-            return "".join(parts)
-
-        texts = await _all_or_none([collect(i) for i in range(len(requests))])
+        self._check_model(req.model, "generate", "/v1/completions")
+        prompts = self._prompts(req.prompt)
+        params = self._sampling(req, count=len(prompts))
+        requests = [self._with_prompt(params, p) for p in prompts]
+        texts, usages = await self._collect(requests)
         choices = [
             CompletionChoice(text=text, index=i, finish_reason=_finish(usages[i]))
             for i, text in enumerate(texts)
@@ -191,12 +193,69 @@ class Driver:
             id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=_usage(usages)
         )
 
-    async def stream_completion(self, req: CompletionRequest) -> AsyncGenerator[dict[str, Any]]:
-        """The chunks of a streamed completion (OpenAI's ``text_completion`` chunk bodies), every prompt's
-        chunks as they come; the last one carries ``usage`` when ``stream_options.include_usage`` is set."""
-        requests = self._generation_requests(req)
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        """A chat completion: the messages rendered with the model's chat template by the worker."""
+        requests = self._chat_requests(req)
+        texts, usages = await self._collect(requests)
+        choices = [
+            ChatCompletionChoice(
+                index=0, message=ChatCompletionMessage(content=texts[0]), finish_reason=_finish(usages[0])
+            )
+        ]
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=_usage(usages)
+        )
+
+    def stream_completion(self, req: CompletionRequest) -> AsyncGenerator[dict[str, Any]]:
+        """The chunks of a streamed completion (OpenAI's ``text_completion`` chunk bodies)."""
+        self._check_model(req.model, "generate", "/v1/completions")
+        prompts = self._prompts(req.prompt)
+        params = self._sampling(req, count=len(prompts))
+        requests = [self._with_prompt(params, p) for p in prompts]
+
+        def choice(index: int, item: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "text": item["text"],
+                "index": index,
+                "logprobs": None,
+                "finish_reason": item["finish_reason"],
+            }
+
+        return self._chunks(req, requests, "text_completion", f"cmpl-{uuid.uuid4().hex}", choice)
+
+    def stream_chat(self, req: ChatCompletionRequest) -> AsyncGenerator[dict[str, Any]]:
+        """The chunks of a streamed chat completion (``chat.completion.chunk``: the role in the first delta)."""
+        requests = self._chat_requests(req)
+        started: set[int] = set()
+
+        def choice(index: int, item: dict[str, Any]) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": item["text"]}
+            if index not in started:
+                started.add(index)
+                delta = {"role": "assistant", **delta}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": item["finish_reason"]}
+
+        return self._chunks(req, requests, "chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", choice)
+
+    async def _collect(self, requests: list[dict[str, Any]]) -> tuple[list[str], list[StreamUsage]]:
         usages = [StreamUsage() for _ in requests]
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
+
+        async def collect(index: int) -> str:
+            parts = [item["text"] async for item in self._generate(requests[index], usages[index])]
+            return "".join(parts)
+
+        return await _all_or_none([collect(i) for i in range(len(requests))]), usages
+
+    async def _chunks(
+        self,
+        req: _GenerationRequest,
+        requests: list[dict[str, Any]],
+        kind: str,
+        chunk_id: str,
+        choice: Callable[[int, dict[str, Any]], dict[str, Any]],
+    ) -> AsyncGenerator[dict[str, Any]]:
+        """Every request's chunks as they come; a last one with ``usage`` when ``stream_options.include_usage``."""
+        usages = [StreamUsage() for _ in requests]
         created = int(time.time())
         queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
@@ -209,8 +268,8 @@ class Driver:
                 return
             await queue.put((index, None))
 
-        # Admission errors (a 400 for a prompt) surface before any chunk is sent: start each request first.
         tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
+        head = {"id": chunk_id, "object": kind, "created": created, "model": req.model}
         try:
             remaining = len(tasks)
             while remaining:
@@ -220,42 +279,34 @@ class Driver:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                yield {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": req.model,
-                    "choices": [
-                        {
-                            "text": item["text"],
-                            "index": index,
-                            "logprobs": None,
-                            "finish_reason": item["finish_reason"],
-                        }
-                    ],
-                }
+                yield {**head, "choices": [choice(index, item)]}
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": req.model,
-                    "choices": [],
-                    "usage": _usage(usages).model_dump(),
-                }
+                yield {**head, "choices": [], "usage": _usage(usages).model_dump()}
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _generation_requests(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        self._check_model(req.model, "generate", "/v1/completions")
-        prompts = self._prompts(req.prompt)
-        if req.max_tokens > self.config.max_completion_tokens:
+    def _chat_requests(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        self._check_model(req.model, "generate", "/v1/chat/completions")
+        for i, message in enumerate(req.messages):
+            self._check_text(message.content, f"messages[{i}].content", allow_empty=True)
+        params = self._sampling(req, req.max_completion_tokens or req.max_tokens)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        return [{**params, "messages": messages}]
+
+    def _sampling(
+        self, req: _GenerationRequest, max_tokens: int | None = None, count: int = 1
+    ) -> dict[str, Any]:
+        """The engine parameters of a generation request, checked against this server's limits."""
+        limit = self.config.max_completion_tokens
+        max_tokens = max_tokens if max_tokens is not None else (req.max_tokens or 16)
+        if max_tokens > limit:
+            param = "max_tokens" if req.max_tokens == max_tokens else "max_completion_tokens"
             raise ApiError(
                 400,
-                f"max_tokens is {req.max_tokens}, above this server's limit of {self.config.max_completion_tokens}.",
-                param="max_tokens",
+                f"{param} is {max_tokens}, above this server's limit of {limit}.",
+                param=param,
                 code="invalid_value",
             )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -263,7 +314,7 @@ class Driver:
             raise ApiError(
                 400, "stop sequences must not be empty strings.", param="stop", code="invalid_value"
             )
-        if self.generations.active + len(prompts) > self.config.max_streams:
+        if self.generations.active + count > self.config.max_streams:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise ApiError(
                 429,
@@ -273,8 +324,8 @@ class Driver:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        params: dict[str, Any] = {
-            "max_tokens": req.max_tokens,
+        return {
+            "max_tokens": max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
             "seed": req.seed,
@@ -283,10 +334,14 @@ class Driver:
             "stop_token_ids": req.stop_token_ids,
             "ignore_eos": req.ignore_eos,
         }
-        return [
-            {**params, "prompt": p} if isinstance(p, str) else {**params, "prompt_ids": list(p)}
-            for p in prompts
-        ]
+
+    @staticmethod
+    def _with_prompt(params: dict[str, Any], prompt: str | tuple[int, ...]) -> dict[str, Any]:
+        return (
+            {**params, "prompt": prompt}
+            if isinstance(prompt, str)
+            else {**params, "prompt_ids": list(prompt)}
+        )
 
     async def _generate(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
         self.metrics.inflight_requests.inc()
@@ -493,8 +548,8 @@ class Driver:
                 code="too_many_inputs",
             )
 
-    def _check_text(self, text: str, param: str) -> None:
-        if not text.strip():
+    def _check_text(self, text: str, param: str, allow_empty: bool = False) -> None:
+        if not allow_empty and not text.strip():
             raise ApiError(400, f"'{param}' must not be empty.", param=param, code="invalid_value")
         if len(text) > self.config.max_input_chars:
             raise ApiError(

@@ -164,6 +164,7 @@ class GenerationService:
         """Export the engines' counts (requests running and waiting, KV cache usage) every ``interval_s``."""
         while True:
             running = waiting = 0
+            usages: list[float] = []
             for replica in self.router.serving():
                 try:
                     stats = await self.pool.engine_stats(replica, CONTROL_TIMEOUT_S)
@@ -172,11 +173,16 @@ class GenerationService:
                     continue
                 running += int(stats.get("requests_running", 0))
                 waiting += int(stats.get("requests_waiting", 0))
-                self.metrics.kv_cache_usage.labels(replica=str(replica)).set(
-                    float(stats.get("kv_cache_usage", 0.0))
-                )
-            self.metrics.requests_running.set(running)
-            self.metrics.requests_waiting.set(waiting)
+                usages.append(float(stats.get("kv_cache_usage", 0.0)))
+                self.metrics.kv_cache_usage.labels(replica=str(replica)).set(usages[-1])
+            for gauge, value in (
+                (self.metrics.requests_running, running),
+                (self.metrics.vllm_running, running),
+                (self.metrics.requests_waiting, waiting),
+                (self.metrics.vllm_waiting, waiting),
+                (self.metrics.vllm_kv_usage, sum(usages) / len(usages) if usages else 0.0),
+            ):
+                gauge.set(value)
             await asyncio.sleep(interval_s)
 
 

@@ -133,6 +133,11 @@ class GenerationEngine:
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The model's own chat template, with the assistant's turn opened."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""  # a model without a tokenizer streams token ids only
@@ -145,10 +150,11 @@ class GenerationEngine:
             raise TypeError("engine_add takes a list of request maps")
         answers: list[dict[str, Any]] = []
         tokenize = self._tokenize if self.tokenizer is not None else None
+        render_chat = self._render_chat if getattr(self.tokenizer, "chat_template", None) else None
         for raw in raw_requests:
             request_id = raw.get("id") if isinstance(raw, dict) else None
             try:
-                request = parse_request(raw, self.limits, tokenize)
+                request = parse_request(raw, self.limits, tokenize, render_chat)
                 self._admit(request)
             except RequestRejected as exc:
                 answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})

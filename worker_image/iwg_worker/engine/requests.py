@@ -69,6 +69,7 @@ _KEYS = frozenset(
         "id",
         "prompt",
         "prompt_ids",
+        "messages",
         "max_tokens",
         "temperature",
         "top_p",
@@ -81,6 +82,25 @@ _KEYS = frozenset(
         "top_logprobs",
     }
 )
+
+
+def _chat_prompt(messages: Any, render_chat: Any) -> tuple[int, ...]:
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise RequestRejected("messages", f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise RequestRejected(
+                f"messages[{i}].role", f"'messages[{i}].role' must be one of {list(CHAT_ROLES)}"
+            )
+        if not isinstance(message.get("content"), str):
+            raise RequestRejected(f"messages[{i}].content", f"'messages[{i}].content' must be a string")
+    if render_chat is None:
+        raise RequestRejected(
+            "messages",
+            "this model has no chat template: send a prompt to /v1/completions",
+            "unsupported_input",
+        )
+    return tuple(render_chat(messages))
 
 
 def _int(raw: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -121,10 +141,15 @@ def _token_ids(value: Any, key: str, limits: ModelLimits, max_len: int) -> tuple
     return tuple(value)
 
 
-def parse_request(raw: Any, limits: ModelLimits, tokenize: Any) -> GenerationRequest:
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256
+
+
+def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any = None) -> GenerationRequest:
     """A request map from the driver -> a checked `GenerationRequest`; `RequestRejected` naming the field.
 
-    ``tokenize(text) -> list[int]`` turns a text prompt into token ids (None: this model has no tokenizer)."""
+    ``tokenize(text) -> list[int]`` turns a text prompt into token ids (None: this model has no tokenizer);
+    ``render_chat(messages) -> list[int]`` renders chat messages with the model's template (None: it has none)."""
     if not isinstance(raw, dict):
         raise RequestRejected("request", f"a generation request must be a map, got {type(raw).__name__}")
     unknown = sorted(str(k) for k in raw.keys() - _KEYS)
@@ -134,7 +159,9 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any) -> GenerationReq
     if not isinstance(request_id, str) or not 0 < len(request_id) <= 128:
         raise RequestRejected("id", "'id' must be a string of 1 to 128 characters")
     context = limits.context_length
-    if raw.get("prompt_ids") is not None:
+    if raw.get("messages") is not None:
+        prompt_ids = _chat_prompt(raw["messages"], render_chat)
+    elif raw.get("prompt_ids") is not None:
         prompt_ids = _token_ids(raw["prompt_ids"], "prompt", limits, context)
     elif isinstance(raw.get("prompt"), str):
         if tokenize is None:
@@ -144,11 +171,12 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any) -> GenerationReq
         prompt_ids = tuple(tokenize(raw["prompt"]))
     else:
         raise RequestRejected("prompt", "a request needs 'prompt' (text) or 'prompt_ids' (token ids)")
+    prompt_param = "messages" if raw.get("messages") is not None else "prompt"
     if not prompt_ids:
-        raise RequestRejected("prompt", "the prompt is empty (no tokens)")
+        raise RequestRejected(prompt_param, "the prompt is empty (no tokens)")
     if len(prompt_ids) >= context:
         raise RequestRejected(
-            "prompt",
+            prompt_param,
             f"the prompt has {len(prompt_ids)} tokens; this model's context is {context} tokens, which must "
             "hold the prompt and at least one generated token",
             "context_length_exceeded",
