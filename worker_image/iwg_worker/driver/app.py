@@ -36,6 +36,7 @@ ADMIN_TOKEN_KEY = web.AppKey("admin_token", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
+G = TypeVar("G", CompletionRequest, ChatCompletionRequest)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # The deepest request body is three levels ({"input": [[ids]]}); anything much deeper is refused before the
@@ -227,28 +228,30 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
     return await _timed(request, "embeddings", call)
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
-    driver = request.app[DRIVER_KEY]
+def _generation(
+    endpoint: str,
+    model: type[G],
+    plain: Callable[[Driver, G], Awaitable[BaseModel]],
+    streamed: Callable[[Driver, G], AsyncGenerator[dict[str, Any]]],
+) -> Handler:
+    """A generation endpoint: one JSON body, or server-sent events when the request says `stream`."""
 
-    async def call() -> web.StreamResponse:
-        req = await _parse(request, CompletionRequest)
-        if req.stream:
-            return await _server_sent_events(request, driver.stream_completion(req))
-        return _model_json(await driver.complete(req))
+    async def handler(request: web.Request) -> web.StreamResponse:
+        driver = request.app[DRIVER_KEY]
 
-    return await _timed(request, "completions", call)
+        async def call() -> web.StreamResponse:
+            req = await _parse(request, model)
+            if req.stream:
+                return await _server_sent_events(request, streamed(driver, req))
+            return _model_json(await plain(driver, req))
+
+        return await _timed(request, endpoint, call)
+
+    return handler
 
 
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    driver = request.app[DRIVER_KEY]
-
-    async def call() -> web.StreamResponse:
-        req = await _parse(request, ChatCompletionRequest)
-        if req.stream:
-            return await _server_sent_events(request, driver.stream_chat(req))
-        return _model_json(await driver.chat(req))
-
-    return await _timed(request, "chat_completions", call)
+_completions = _generation("completions", CompletionRequest, Driver.complete, Driver.stream_completion)
+_chat_completions = _generation("chat_completions", ChatCompletionRequest, Driver.chat, Driver.stream_chat)
 
 
 async def _server_sent_events(

@@ -252,3 +252,14 @@ def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
+
+
+def no_replica_error(retry_after_s: float) -> ApiError:
+    """503: no replica of the model serves now."""
+    return ApiError(
+        503,
+        "No replica of this model is serving right now; retry shortly.",
+        type="service_unavailable",
+        code="no_replica",
+        headers={"Retry-After": str(max(1, int(retry_after_s)))},
+    )

@@ -38,6 +38,7 @@ from iwg_worker.driver.openai_api import (
     ModelList,
     Usage,
     _GenerationRequest,
+    no_replica_error,
 )
 from iwg_worker.driver.pool import (
     BatchFailure,
@@ -363,13 +364,7 @@ class Driver:
         for embeddings, `prompt[i]` for completions)."""
         if not self.router.serving():
             self.metrics.rejected.labels(reason="no_replica").inc()
-            raise ApiError(
-                503,
-                "No replica of this model is serving right now; retry shortly.",
-                type="service_unavailable",
-                code="no_replica",
-                headers={"Retry-After": str(max(1, int(self.router.no_replica_grace_s)))},
-            )
+            raise no_replica_error(self.router.no_replica_grace_s)
         try:
             items = self.batcher.enqueue(list(inputs), key)
         except QueueFull as exc:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iwg_worker.driver.metrics import DriverMetrics
-from iwg_worker.driver.openai_api import ApiError
+from iwg_worker.driver.openai_api import ApiError, no_replica_error
 from iwg_worker.driver.pool import BatchFailure, ReplicaFailure, ReplicaPool
 from iwg_worker.driver.router import Router
 
@@ -139,13 +139,7 @@ class GenerationService:
                     if not finished:
                         await _shielded(self.pool.cancel_streams(replica, [request["id"]], CONTROL_TIMEOUT_S))
         if last_error is None:
-            raise ApiError(
-                503,
-                "No replica of this model is serving right now; retry shortly.",
-                type="service_unavailable",
-                code="no_replica",
-                headers={"Retry-After": str(max(1, int(self.router.no_replica_grace_s)))},
-            )
+            raise no_replica_error(self.router.no_replica_grace_s)
         raise ApiError(
             503,
             f"No replica could serve this request: {last_error}.",
