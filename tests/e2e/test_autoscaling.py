@@ -78,8 +78,10 @@ def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_re
     wait_serving(groups, core, node_agent, name, replicas=2)
     time.sleep(3)
     light = Load(address, MODEL, clients=1, inputs=1).start()
-    heavy.stop()
+    # The load starts falling when the heavy clients stop sending, not when their last answers are in:
+    # stop() waits for those, seconds on a busy machine, and the window may already run meanwhile.
     scaled_down_after = time.monotonic()
+    heavy.stop()
     eventually(lambda: timeline.current() == 1, DOWN_WINDOW_S + 60, "scale-down after the window")
     waited = time.monotonic() - scaled_down_after
     eventually(lambda: len([p for p in groups.live_pods(name)]) == 1, 60, "the second replica's pod to go")

@@ -228,7 +228,7 @@ BAD_REQUESTS: list[tuple[str, bytes | str | None, str, str, int, list[str], str 
         "n",
     ),
     ("wrong method", None, "GET", "/v1/embeddings", 405, ["GET"], None),
-    ("unknown path", j(model=MODEL), "POST", "/v1/chat/completions", 404, ["/v1/chat/completions"], None),
+    ("unknown path", j(model=MODEL), "POST", "/v1/audio/speech", 404, ["/v1/audio/speech"], None),
     ("unknown model card", None, "GET", "/v1/models/nope", 404, ["nope"], "model"),
     (
         "body too large",
