@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -182,32 +180,6 @@ async def run_serve(url: str, prompts: list[list[int]], output_tokens: int) -> R
     return run
 
 
-def start_serve(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import yaml
-
-    from tests.iwg_worker.driver.conftest import free_port, wait_http
-
-    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
-    manifest["spec"]["model"]["path"] = str(model_dir)
-    manifest["spec"]["model"]["kvCache"] = {"blocks": KV_BLOCKS}
-    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
-    port = free_port()
-    log = tmp / "serve.log"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "iwg_worker.cli", "serve", str(tmp / "group.yaml"), "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/readyz", proc, 300, log)
-    return proc, url
-
-
 def row(name: str, streams: int, run: Run, ratios: str) -> str:
     ms = 1000.0
     return (
@@ -229,6 +201,7 @@ def main() -> None:
     import torch
     from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
+    from tests.iwg_worker.driver.conftest import start_smollm2
     from tests.models import smollm2_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -245,7 +218,8 @@ def main() -> None:
     direct = {n: run_direct(model, prompts[:n], args.output_tokens) for n in levels}
     del model
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_serve(model_dir, Path(tmp))
+        served = start_smollm2(Path(tmp), dict(os.environ), kv_blocks=KV_BLOCKS)
+        proc, url = served.process, served.url
         try:
             asyncio.run(run_serve(url, prompts[:2], 8))  # warm-up
             served = {n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens)) for n in levels}

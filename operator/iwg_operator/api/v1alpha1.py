@@ -265,7 +265,8 @@ class KvCacheSpec(ApiModel):
         le=0.95,
         description=(
             "Cache size as a fraction of the device memory free after the model is loaded. Default (neither "
-            "set): 0.9 on a GPU; on CPU a quarter of available memory, at most 2 GiB."
+            "set): transformers' own share on a GPU (0.9 of free memory in most setups); on CPU a quarter of "
+            "available memory, at most 2 GiB."
         ),
     )
 

@@ -108,3 +108,31 @@ def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     finally:
         code = stop(proc)
         assert code == 0, log.read_text(errors="replace")[-3000:]
+
+
+def start_smollm2(tmp: Path, env: dict[str, str], kv_blocks: int | None = None) -> Served:
+    """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory;
+    returns once it is ready. The caller stops it (`stop(served.process)`)."""
+    import yaml
+
+    from tests.models import smollm2_dir
+
+    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+    manifest["spec"]["model"]["path"] = str(smollm2_dir())
+    if kv_blocks is not None:
+        manifest["spec"]["model"]["kvCache"] = {"blocks": kv_blocks}
+    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    log = tmp / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "iwg_worker.cli", "serve", str(tmp / "group.yaml"), "--port", str(port)],
+            cwd=ROOT,
+            env={**env, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
+    return Served(url, proc, log)

@@ -7,18 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
-from tests.iwg_worker.driver.conftest import ROOT, Served, free_port, stop, subprocess_env, wait_http
-from tests.models import smollm2_dir
+from tests.iwg_worker.driver.conftest import Served, start_smollm2, stop, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,32 +23,12 @@ MODEL = "smollm2"
 
 @pytest.fixture(scope="module")
 def served_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("serve-lm")
-    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
-    manifest["spec"]["model"]["path"] = str(smollm2_dir())  # the converted directory loads in a second
-    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
-    port = free_port()
-    log = tmp / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "iwg_worker.cli", "serve", str(tmp / "group.yaml"), "--port", str(port)],
-            cwd=ROOT,
-            env={
-                **subprocess_env(),
-                "OMP_NUM_THREADS": "2",
-                "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}",
-            },
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    served = start_smollm2(tmp_path_factory.mktemp("serve-lm"), {**subprocess_env(), "OMP_NUM_THREADS": "2"})
     try:
-        wait_http(f"{url}/readyz", proc, 300, log)
-        yield Served(url, proc, log)
+        yield served
     finally:
-        code = stop(proc)
-        assert code == 0, log.read_text(errors="replace")[-3000:]
+        code = stop(served.process)
+        assert code == 0, served.log.read_text(errors="replace")[-3000:]
 
 
 async def stream(

@@ -31,7 +31,6 @@ class GenerationStream:
         self.loop = loop
         self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self.done = False
-        self.received_tokens = 0
 
     def _push(self, item: dict[str, Any] | BaseException) -> None:  # on the loop's thread
         self._queue.put_nowait(item)
@@ -48,7 +47,6 @@ class GenerationStream:
             if item["error"] is not None:
                 self.done = True
                 raise StreamFailed(item["error"])
-            self.received_tokens += len(item["tokens"])
             self.done = item["finish_reason"] is not None
             yield item
 
@@ -67,9 +65,6 @@ class StreamHub:
     def unregister(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._streams)
 
     def deliver(self, replica: int, items: list[dict[str, Any]]) -> None:
         """Hand each item to its stream (any thread); items of unknown or other replicas' ids are dropped."""
