@@ -89,3 +89,62 @@ def test_scaler_brings_replicas_within_the_bounds_before_reading_any_metric() ->
     down = scaler.decide(busy, None, 9, s)
     assert (down.replicas, down.reason) == (5, "TooManyReplicas")
     assert scaler.decide(None, "refused", 3, s).replicas is None, "within the bounds: metrics decide"
+
+
+GENERATION_METRICS = (
+    METRICS
+    + """iwg_requests_waiting 6.0
+vllm:num_requests_waiting 6.0
+iwg_kv_cache_usage{replica="0"} 0.9
+iwg_kv_cache_usage{replica="1"} 0.5
+vllm:kv_cache_usage_perc 0.7
+"""
+)
+
+
+def test_generation_metrics_waiting_per_replica_and_kv_usage_as_the_serving_mean() -> None:
+    sample = parse_driver_metrics(GENERATION_METRICS, at=1.0)
+    assert (sample.requests_waiting, sample.kv_cache_usage) == (6.0, 0.7)
+    assert metric_value(spec(metric="requestsWaiting", target=2), 2, sample, None) == 3.0
+    # Already a mean over the serving replicas: not divided again by the replica count.
+    assert metric_value(spec(metric="kvCacheUsage", target=0.5), 2, sample, None) == pytest.approx(0.7)
+    assert recommend(2, 3.0, spec(metric="requestsWaiting", target=2)) == 3  # ceil(2 x 3 / 2)
+    assert recommend(2, 0.7, spec(metric="kvCacheUsage", target=0.5)) == 3  # ceil(2 x 0.7 / 0.5)
+    assert recommend(2, 0.0, spec(metric="requestsWaiting", target=2)) == 1  # nothing waits: the minimum
+
+
+def test_a_driver_without_the_generation_gauges_holds_naming_the_gauge() -> None:
+    sample = parse_driver_metrics(METRICS, at=1.0)
+    assert sample.requests_waiting is None and sample.kv_cache_usage is None
+    for metric, gauge in (
+        ("requestsWaiting", "iwg_requests_waiting"),
+        ("kvCacheUsage", "vllm:kv_cache_usage"),
+    ):
+        s = spec(metric=metric, target=0.5)
+        with pytest.raises(MetricsError, match=gauge):
+            metric_value(s, 1, sample, None)
+        held = GroupScaler().decide(sample, None, 1, s)
+        assert (held.replicas, held.reason) == (None, "MetricsUnavailable") and gauge in held.message
+
+
+def test_scaler_on_requests_waiting_scales_up_under_a_step_and_down_after_the_window() -> None:
+    s = spec(metric="requestsWaiting", target=1, max_replicas=2, scale_down_stabilization_seconds=20)
+    scaler = GroupScaler()
+
+    def waiting(at: float, count: float) -> DriverSample:
+        return DriverSample(at, 0.0, 0.0, requests_waiting=count, kv_cache_usage=1.0)
+
+    assert scaler.decide(waiting(100, 0), None, 1, s).replicas == 1
+    up = scaler.decide(waiting(101, 5), None, 1, s)
+    assert up.replicas == 2 and "requestsWaiting 5.00" in up.message
+    decisions = [scaler.decide(waiting(101 + t, 0), None, 2, s).replicas for t in (5, 15, 22)]
+    assert decisions == [2, 2, 1]
+
+
+def test_kv_cache_usage_target_is_a_fraction_and_the_error_names_the_field() -> None:
+    assert spec(metric="kvCacheUsage", target=1.0).target == 1.0
+    with pytest.raises(ValueError, match=r"spec\.autoscaling\.target must be a fraction in \(0, 1\]"):
+        spec(metric="kvCacheUsage", target=4)
+    with pytest.raises(ValueError, match="target"):
+        spec(metric="kvCacheUsage", target=0)
+    assert spec(metric="requestsWaiting", target=4).target == 4  # a count: above 1 is fine

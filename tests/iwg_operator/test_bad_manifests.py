@@ -77,6 +77,8 @@ ADMISSION_CASES: list[tuple[str, tuple[str | int, ...], Any, str]] = [
     ("min-over-max", ("spec", "autoscaling"), {"minReplicas": 5, "maxReplicas": 2}, "spec.autoscaling.minReplicas"),
     ("metric-enum", ("spec", "autoscaling", "metric"), "cpu", "spec.autoscaling.metric"),
     ("tolerance-range", ("spec", "autoscaling", "tolerance"), 1.5, "spec.autoscaling.tolerance"),
+    ("kv-usage-target", ("spec", "autoscaling"), {"metric": "kvCacheUsage", "target": 4},
+     "spec.autoscaling.target"),
     ("max-unavailable", ("spec", "rollout", "maxUnavailable"), 0, "spec.rollout.maxUnavailable"),
     ("name-too-long", ("metadata", "name"), "n" * 41, "metadata.name"),
     ("name-not-dns", ("metadata", "name"), "9lives", "metadata.name"),

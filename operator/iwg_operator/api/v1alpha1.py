@@ -787,10 +787,22 @@ class AutoscalingSpec(ApiModel):
     enabled: bool = Field(default=False, description="Let the operator set spec.replicas from the metric.")
     min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest replicas.")
     max_replicas: int = Field(default=8, ge=1, le=MAX_REPLICAS, description="Most replicas.")
-    metric: Literal["queueDepth", "inflight", "latencyP95Ms"] = Field(
-        default="queueDepth", description="Driver metric per replica that is held near target."
+    metric: Literal["queueDepth", "inflight", "latencyP95Ms", "requestsWaiting", "kvCacheUsage"] = Field(
+        default="queueDepth",
+        description=(
+            "Driver metric held near target: `queueDepth` (inputs queued in the driver) and `inflight` (requests "
+            "admitted, not yet answered), each divided by the replicas; `latencyP95Ms`, the 95th percentile "
+            "request latency in ms between two scrapes; for `generate` groups `requestsWaiting` (requests the "
+            "engines hold waiting for KV cache room, divided by the replicas) and `kvCacheUsage` (the share of "
+            "KV cache blocks in use, 0 to 1, averaged over the serving replicas)."
+        ),
     )
-    target: float = Field(default=4.0, gt=0, le=1e6, description="Target value of the metric per replica.")
+    target: float = Field(
+        default=4.0,
+        gt=0,
+        le=1e6,
+        description="Target value of the metric per replica; at most 1 for `kvCacheUsage` (a fraction).",
+    )
     tolerance: float = Field(
         default=0.1, ge=0, lt=1, description="Relative deviation from target that causes no scaling."
     )
@@ -807,6 +819,14 @@ class AutoscalingSpec(ApiModel):
             message="spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
             field_path=".minReplicas",
+        ),
+        CrossFieldRule(
+            cel="self.metric != 'kvCacheUsage' || self.target <= 1.0",
+            message=(
+                "spec.autoscaling.target must be a fraction in (0, 1] when spec.autoscaling.metric is kvCacheUsage"
+            ),
+            check=lambda a: a.metric != "kvCacheUsage" or a.target <= 1.0,
+            field_path=".target",
         ),
     )
 

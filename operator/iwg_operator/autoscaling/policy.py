@@ -13,6 +13,10 @@ from iwg_operator.api.v1alpha1 import AutoscalingSpec
 QUEUE_DEPTH = "iwg_queue_depth"
 INFLIGHT = "iwg_inflight_requests"
 LATENCY_BUCKET = "iwg_request_latency_seconds_bucket"
+# Generation groups: requests the engines hold waiting for KV cache room (the group's total), and the share of
+# KV cache blocks in use averaged over the serving replicas (the name vLLM and the gateways' endpoint picker use).
+REQUESTS_WAITING = "iwg_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 
 
 class MetricsError(ValueError):
@@ -21,18 +25,22 @@ class MetricsError(ValueError):
 
 @dataclass(frozen=True)
 class DriverSample:
-    """One scrape of the driver: totals over the group, plus the cumulative latency histogram."""
+    """One scrape of the driver: totals over the group, plus the cumulative latency histogram; the generation
+    gauges are None when the driver does not export them."""
 
     at: float
     queue_depth: float
     inflight: float
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound s, cumulative count), summed
+    requests_waiting: float | None = None
+    kv_cache_usage: float | None = None
 
 
 def parse_driver_metrics(text: str, at: float) -> DriverSample:
     queue: float | None = None
     inflight: float | None = None
     buckets: dict[float, float] = {}
+    gauges: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -46,6 +54,8 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
             queue = value
         elif name == INFLIGHT:
             inflight = value
+        elif name in (REQUESTS_WAITING, KV_CACHE_USAGE):
+            gauges[name] = value
         elif name == LATENCY_BUCKET and 'le="' in name_and_labels:
             bound_text = name_and_labels.split('le="', 1)[1].split('"', 1)[0]
             bound = math.inf if bound_text == "+Inf" else float(bound_text)
@@ -53,7 +63,14 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
     if queue is None or inflight is None:
         missing = [n for n, v in ((QUEUE_DEPTH, queue), (INFLIGHT, inflight)) if v is None]
         raise MetricsError(f"driver metrics lack {', '.join(missing)}")
-    return DriverSample(at, queue, inflight, tuple(sorted(buckets.items())))
+    return DriverSample(
+        at,
+        queue,
+        inflight,
+        tuple(sorted(buckets.items())),
+        gauges.get(REQUESTS_WAITING),
+        gauges.get(KV_CACHE_USAGE),
+    )
 
 
 def latency_p95_ms(previous: DriverSample, current: DriverSample) -> float:
@@ -75,14 +92,26 @@ def latency_p95_ms(previous: DriverSample, current: DriverSample) -> float:
 def metric_value(
     spec: AutoscalingSpec, replicas: int, current: DriverSample, previous: DriverSample | None
 ) -> float | None:
-    """The spec's metric, per replica for the load metrics (as the HPA's averageValue); None when unknown."""
+    """The spec's metric: per replica for the load metrics (as the HPA's averageValue), the serving replicas'
+    mean for `kvCacheUsage` (as the HPA's averageUtilization); None when unknown (the first latency sample).
+    `MetricsError` names a gauge the driver does not export (a driver without generation support)."""
     if spec.metric == "queueDepth":
         return current.queue_depth / max(replicas, 1)
     if spec.metric == "inflight":
         return current.inflight / max(replicas, 1)
+    if spec.metric == "requestsWaiting":
+        return _exported(current.requests_waiting, REQUESTS_WAITING) / max(replicas, 1)
+    if spec.metric == "kvCacheUsage":
+        return _exported(current.kv_cache_usage, KV_CACHE_USAGE)
     if previous is None:
         return None
     return latency_p95_ms(previous, current)
+
+
+def _exported(value: float | None, name: str) -> float:
+    if value is None:
+        raise MetricsError(f"driver metrics lack {name}")
+    return value
 
 
 def recommend(current_replicas: int, value: float, spec: AutoscalingSpec) -> int:

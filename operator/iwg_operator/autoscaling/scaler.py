@@ -64,7 +64,11 @@ class GroupScaler:
         if sample is None:
             self.previous = None
             return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {error}")
-        value = metric_value(spec, current, sample, self.previous)
+        try:
+            value = metric_value(spec, current, sample, self.previous)
+        except MetricsError as missing:
+            self.previous = None
+            return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {missing}")
         self.previous = sample
         if value is None:
             return ScaleDecision(
