@@ -239,14 +239,25 @@ _ITEM = {
     "tokens": [5, 6],
     "text": "hi",
     "logprobs": [-0.5, -1.25],
-    "top_logprobs": [[[5, -0.5], [9, -2.0]], [[6, -1.25]]],
+    "token_texts": ["h", "i"],
+    "top_logprobs": [[[5, -0.5, "h"], [9, -2.0, "x"]], [[6, -1.25, "i"]]],
     "finish_reason": None,
     "error": None,
 }
 
 
 def test_a_stream_message_carries_a_steps_items_for_many_requests() -> None:
-    items = [_ITEM, {**_ITEM, "id": "g1-2", "logprobs": None, "top_logprobs": None, "finish_reason": "stop"}]
+    items = [
+        _ITEM,
+        {
+            **_ITEM,
+            "id": "g1-2",
+            "logprobs": None,
+            "token_texts": None,
+            "top_logprobs": None,
+            "finish_reason": "stop",
+        },
+    ]
     message = protocol.decode(_wire(protocol.encode_stream(2, 0, items)))
     assert message == protocol.Stream(replica=2, rank=0, items=items)
 
@@ -260,7 +271,9 @@ def test_a_stream_message_carries_a_steps_items_for_many_requests() -> None:
         ({**_ITEM, "text": b"hi"}, "'id' and 'text' must be strings"),
         ({**_ITEM, "finish_reason": 3}, "'finish_reason' must be a string or nil"),
         ({**_ITEM, "logprobs": [1]}, "'logprobs' must be a list of floats"),
-        ({**_ITEM, "top_logprobs": [[[5]]]}, "token id, logprob"),
+        ({**_ITEM, "top_logprobs": [[[5]]]}, "token id, logprob, text"),
+        ({**_ITEM, "top_logprobs": [[[5, -0.5]]]}, "token id, logprob, text"),
+        ({**_ITEM, "token_texts": ["h", 1]}, "'token_texts' must be a list of strings"),
         ("not a map", "exactly the keys"),
     ],
 )

@@ -21,7 +21,8 @@ Message kinds and their header keys (every key required, no others allowed):
 - ``overflow``: ``{kind, id}`` driver -> worker through the shared-memory ring (`executor.shm_ring`): call
   ``id`` was too large for the ring and comes on the socket; the worker runs it in this place
 - ``stream``: ``{kind, replica, rank, items}`` worker -> driver: one engine step's new output of every running
-  request of the replica, each item ``{id, tokens, text, logprobs, top_logprobs, finish_reason, error}``
+  request of the replica, each item ``{id, tokens, text, logprobs, token_texts, top_logprobs, finish_reason,
+  error}``
   (`iwg_worker.engine.streams`)
 
 Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
@@ -154,7 +155,7 @@ class Stream:
 Message = Call | Reply | Hello | Goodbye | Ping | Overflow | Stream
 
 STREAM_ITEM_KEYS: Final = frozenset(
-    {"id", "tokens", "text", "logprobs", "top_logprobs", "finish_reason", "error"}
+    {"id", "tokens", "text", "logprobs", "token_texts", "top_logprobs", "finish_reason", "error"}
 )
 
 _KEYS: Final[dict[str, frozenset[str]]] = {
@@ -584,15 +585,23 @@ def _check_stream_item(item: Any) -> None:
         not isinstance(logprobs, list) or not all(type(v) is float for v in logprobs)
     ):
         raise ProtocolError("stream item 'logprobs' must be a list of floats or nil")
+    texts = item["token_texts"]
+    if texts is not None and (not isinstance(texts, list) or not all(isinstance(t, str) for t in texts)):
+        raise ProtocolError("stream item 'token_texts' must be a list of strings or nil")
     top = item["top_logprobs"]
     if top is not None and not (
         isinstance(top, list)
         and all(
             isinstance(row, list)
             and all(
-                isinstance(p, list) and len(p) == 2 and type(p[0]) is int and type(p[1]) is float for p in row
+                isinstance(p, list)
+                and len(p) == 3
+                and type(p[0]) is int
+                and type(p[1]) is float
+                and isinstance(p[2], str)
+                for p in row
             )
             for row in top
         )
     ):
-        raise ProtocolError("stream item 'top_logprobs' must be lists of [token id, logprob] pairs or nil")
+        raise ProtocolError("stream item 'top_logprobs' must be lists of [token id, logprob, text] or nil")

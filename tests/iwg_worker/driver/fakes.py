@@ -95,6 +95,7 @@ class FakePool:
                     "tokens": [ord(char)] if text else [],
                     "text": char if text else "",
                     "logprobs": None,
+                    "token_texts": None,
                     "top_logprobs": None,
                     "finish_reason": finish if last else None,
                     "error": None,

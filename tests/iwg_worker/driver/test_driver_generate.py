@@ -108,10 +108,17 @@ async def test_bad_completion_requests(client: TestClient[Any, Any]) -> None:
         ({"prompt": "w1", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "w1", "max_tokens": 100_000}, "max_tokens"),
         ({"prompt": "w1", "temperature": 3}, "temperature"),
-        ({"prompt": "w1", "n": 2}, "n"),
+        ({"prompt": "w1", "n": 0}, "n"),
+        ({"prompt": "w1", "n": 17}, "n"),
+        ({"prompt": ["w1"] * 100, "n": 16}, "n"),  # 1600 generations, above the server's 1024 at once
         ({"prompt": ["w1", [1, 2]]}, "prompt"),
         ({"prompt": "w1", "stop": [""]}, "stop"),
-        ({"prompt": "w1", "logprobs": 3}, "logprobs"),
+        ({"prompt": "w1", "logprobs": 21}, "logprobs"),
+        ({"prompt": "w1", "logprobs": -1}, "logprobs"),
+        ({"prompt": "w1", "logprobs": True}, "logprobs"),
+        ({"prompt": "w1", "best_of": 3}, "best_of"),
+        ({"prompt": "w1", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "w1", "echo": "yes"}, "echo"),
     ]
     for body, param in cases:
         resp = await client.post("/v1/completions", json={"model": "tiny", **body})
@@ -161,3 +168,90 @@ async def test_chat_on_a_model_without_a_chat_template_is_a_400(client: TestClie
     payload = await resp.json()
     assert resp.status == 400 and payload["error"]["param"] == "messages", payload
     assert "chat template" in payload["error"]["message"]
+
+
+def logprobs_of(path: Path, prompt_ids: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The model's log-softmax before each of ``tokens``, as transformers computes it."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path).eval()
+    ids = list(prompt_ids)
+    out = []
+    with torch.no_grad():
+        for token in tokens:
+            out.append(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1))
+            ids.append(token)
+    return out
+
+
+async def test_n_choices_per_prompt_with_their_logprobs(client: TestClient[Any, Any], tiny_lm: Path) -> None:
+    prompts = ["w1 w2 w3", "w9"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 0, "n": 2, "logprobs": 2}
+    resp = await client.post("/v1/completions", json=body)
+    payload = await resp.json()
+    assert resp.status == 200, payload
+    choices = payload["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]  # choice i * n + j: sample j of prompt i
+    for i, prompt in enumerate(prompts):
+        ids = [WORDS.index(w) for w in prompt.split()]
+        expected = greedy(tiny_lm, ids, 5)
+        reference = logprobs_of(tiny_lm, ids, expected)
+        for choice in choices[2 * i : 2 * i + 2]:
+            logprobs = choice["logprobs"]
+            assert logprobs["tokens"] == [WORDS[t] for t in expected]
+            for k, token in enumerate(expected):
+                assert logprobs["token_logprobs"][k] == pytest.approx(float(reference[k][token]), abs=1e-4)
+                top = logprobs["top_logprobs"][k]
+                assert set(top) == {WORDS[t] for t in torch.topk(reference[k], 2).indices.tolist()}
+                assert top[WORDS[token]] == logprobs["token_logprobs"][k]  # greedy: the best one was chosen
+            assert len(logprobs["text_offset"]) == len(expected)
+    # A prompt's tokens are counted once, however many choices it has; every choice's tokens are counted.
+    assert payload["usage"]["prompt_tokens"] == 4
+    assert payload["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in choices)
+
+
+async def test_seeded_samples_of_one_request_differ_and_repeat(client: TestClient[Any, Any]) -> None:
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 8, "temperature": 1.5, "n": 3, "seed": 7}
+    first = await (await client.post("/v1/completions", json=body)).json()
+    again = await (await client.post("/v1/completions", json=body)).json()
+    texts = [c["text"] for c in first["choices"]]
+    assert len(set(texts)) == 3, texts  # three samples, not one repeated
+    assert [c["text"] for c in again["choices"]] == texts
+    # Sample 0 of n is the same request as n=1 with that seed.
+    single = await (await client.post("/v1/completions", json={**body, "n": 1})).json()
+    assert single["choices"][0]["text"] == texts[0]
+
+
+async def test_echo_puts_the_prompt_first_plain_and_streamed(client: TestClient[Any, Any]) -> None:
+    base = {"model": "tiny", "max_tokens": 4, "temperature": 0, "echo": True}
+    plain = await (await client.post("/v1/completions", json={**base, "prompt": "w1 w2"})).json()
+    bare = await (
+        await client.post("/v1/completions", json={**base, "prompt": "w1 w2", "echo": False})
+    ).json()
+    assert plain["choices"][0]["text"] == "w1 w2" + bare["choices"][0]["text"]
+    ids = [WORDS.index(w) for w in ("w1", "w2")]
+    by_ids = await (await client.post("/v1/completions", json={**base, "prompt": ids})).json()
+    assert by_ids["choices"][0]["text"].startswith("w1 w2")  # token ids: the worker decodes them
+    assert by_ids["choices"][0]["text"].removeprefix("w1 w2") == bare["choices"][0]["text"]
+    resp = await client.post("/v1/completions", json={**base, "prompt": "w1 w2", "stream": True})
+    events = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n") if e]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["text"].startswith("w1 w2")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
+async def test_streamed_n_choices_and_logprobs_join_to_the_plain_answer(client: TestClient[Any, Any]) -> None:
+    body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 5, "temperature": 0, "n": 2, "logprobs": 1}
+    plain = await (await client.post("/v1/completions", json=body)).json()
+    resp = await client.post("/v1/completions", json={**body, "stream": True})
+    events = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n") if e]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    for choice in plain["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        joined = [t for c in mine for t in c["logprobs"]["tokens"]]
+        assert joined == choice["logprobs"]["tokens"]
+        assert [v for c in mine for v in c["logprobs"]["token_logprobs"]] == choice["logprobs"][
+            "token_logprobs"
+        ]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]

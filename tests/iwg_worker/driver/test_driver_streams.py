@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -184,8 +186,8 @@ async def test_streamed_completions_through_the_async_client_join_to_the_plain_t
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
-        ({"logprobs": True}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 17}, "n"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 9000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
@@ -194,8 +196,8 @@ async def test_streamed_completions_through_the_async_client_join_to_the_plain_t
         "json response format",
         "unknown role",
         "no messages",
-        "logprobs",
-        "n=2",
+        "top_logprobs without logprobs",
+        "n=17",
         "zero tokens",
         "too many tokens",
         "beyond the context",
@@ -217,3 +219,215 @@ def test_bad_chat_requests_are_a_400_naming_the_field(
         urllib.request.urlopen(req, timeout=60)
     payload = json.loads(info.value.read())
     assert info.value.code == 400 and payload["error"]["param"] == param, payload
+
+
+def test_chat_n_and_logprobs_through_the_official_client(served_smollm2: Served) -> None:
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{served_smollm2.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    options: Any = {"max_tokens": 8, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2}
+    plain = api.chat.completions.create(model=MODEL, messages=messages, **options)
+    assert [c.index for c in plain.choices] == [0, 1]
+    assert plain.choices[0].message.content == plain.choices[1].message.content  # greedy: the same answer
+    for choice in plain.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        entries = choice.logprobs.content
+        # The tokens spell the answer, and the end-of-sequence token that ended it (counted, not in the text).
+        assert "".join(e.token for e in entries) == f"{choice.message.content}<|im_end|>"
+        assert choice.finish_reason == "stop"
+        for entry in entries:
+            assert entry.bytes == list(entry.token.encode())
+            assert len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely token was chosen
+            assert entry.top_logprobs[0].logprob == entry.logprob <= 0.0
+            assert entry.top_logprobs[1].logprob <= entry.logprob
+    # The prompt is counted once for its two choices.
+    single = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert plain.usage is not None and single.usage is not None
+    assert plain.usage.prompt_tokens == single.usage.prompt_tokens
+    assert plain.usage.completion_tokens == 2 * single.usage.completion_tokens
+    streamed = list(api.chat.completions.create(model=MODEL, messages=messages, stream=True, **options))
+    for choice in plain.choices:
+        mine = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        tokens = [e.token for c in mine if c.logprobs and c.logprobs.content for e in c.logprobs.content]
+        assert tokens == [e.token for e in choice.logprobs.content or []]
+
+
+async def test_completions_n_logprobs_and_stop_through_the_async_client(served_smollm2: Served) -> None:
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=f"{served_smollm2.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    options: Any = {"max_tokens": 10, "temperature": 0, "n": 2, "logprobs": 2, "stop": ["."]}
+    plain = await api.completions.create(model=MODEL, prompt="The capital of France is", **options)
+    assert len(plain.choices) == 2
+    for choice in plain.choices:
+        assert "." not in choice.text
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.tokens and logprobs.text_offset and logprobs.top_logprobs
+        # Each token's text sits in the answer at its offset.
+        for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+            assert choice.text[offset : offset + len(token)] == token
+        assert all(len(top) >= 2 for top in logprobs.top_logprobs)
+    streamed = [
+        c
+        async for c in await api.completions.create(
+            model=MODEL, prompt="The capital of France is", stream=True, **options
+        )
+    ]
+    for choice in plain.choices:
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert mine[-1].finish_reason == choice.finish_reason
+
+
+# (endpoint, body or raw bytes, the field the 400 names; None where the body has no field to name)
+HOSTILE: list[tuple[str, Any, str | None]] = [
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": "x" * 40_000}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}] * 300}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    ("chat", {"max_tokens": -1}, "max_tokens"),
+    ("chat", {"max_tokens": 2**40}, "max_tokens"),
+    ("chat", {"max_tokens": "10"}, "max_tokens"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"n": 1000}, "n"),
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"temperature": "hot"}, "temperature"),
+    (
+        "chat",
+        b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        None,
+    ),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat", {"stop": [""]}, "stop"),
+    ("chat", {"stop": 5}, "stop"),
+    ("chat", {"seed": 2**70}, "seed"),
+    ("chat", {"logprobs": "yes"}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("chat", {"stream": "true"}, "stream"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("chat", {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"model": "gpt-4"}, "model"),
+    ("chat", {"model": None}, "model"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [[-5]]}, "prompt[0]"),
+    ("completions", {"prompt": [[10**9]]}, "prompt[0]"),
+    ("completions", {"prompt": list(range(100, 9100))}, "prompt"),
+    ("completions", {"prompt": "x", "best_of": 4}, "best_of"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", b"{not json", None),
+    ("completions", b"[1, 2, 3]", None),
+    ("completions", b"\xff\xfe\x00", None),
+]
+
+
+async def test_hostile_generation_requests_are_refused_alone_and_the_server_serves_on(
+    served_smollm2: Served,
+) -> None:
+    url = served_smollm2.url
+    assert len(HOSTILE) >= 30
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for endpoint, body, param in HOSTILE:
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            if isinstance(body, bytes):
+                kwargs: dict[str, Any] = {"data": body, "headers": {"Content-Type": "application/json"}}
+            else:
+                base: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
+                if endpoint == "chat":
+                    base["messages"] = [{"role": "user", "content": "hi"}]
+                kwargs = {"json": {**base, **body}}
+            async with session.post(f"{url}{path}", **kwargs) as resp:
+                payload = await resp.json()
+                assert 400 <= resp.status < 500, (body, resp.status, payload)
+                assert payload["error"]["message"], payload
+                if param is not None:
+                    assert payload["error"]["param"] == param, (body, payload)
+
+        # Slowloris: a body that never finishes and headers that never end, held open while others are served.
+        host, port = url.removeprefix("http://").split(":")
+        stalled = []
+        for head in (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 5000\r\n\r\n{"model": "smol',
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+        ):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(head)
+            stalled.append(sock)
+        # A stream torn down mid-way (after its first event).
+        resp = await session.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "Once", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        )
+        assert resp.status == 200
+        await resp.content.readline()
+        resp.close()
+        answer = await stream(session, url, "The capital of France is", 6, time.monotonic())
+        assert answer["finish"] in ("stop", "length") and answer["text"]
+        for sock in stalled:
+            sock.close()
+        async with session.get(f"{url}/metrics") as metrics:
+            assert 'status="5' not in await metrics.text()  # no 5xx was answered to any of it
+        deadline = time.monotonic() + 60
+        while (await metric(session, url, "iwg_requests_running")) > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert await metric(session, url, "iwg_requests_running") == 0
+
+
+async def test_100_streams_dropped_at_random_points_under_load_free_their_cache(
+    served_smollm2: Served,
+) -> None:
+    url = served_smollm2.url
+    rng = random.Random(16)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=500)) as session:
+        started = time.monotonic()
+        keep = [
+            asyncio.create_task(
+                stream(session, url, f"Tell a tale number {i}.", 40, started, ignore_eos=True)
+            )
+            for i in range(6)
+        ]
+        read_before_drop: list[int] = []
+
+        async def dropped(i: int) -> None:
+            await asyncio.sleep(rng.random() * 3)
+            body = {
+                "model": MODEL,
+                "prompt": f"Count sheep, round {i}:",
+                "max_tokens": 300,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            resp = await session.post(f"{url}/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            events = rng.randrange(0, 6)
+            read = 0
+            while read < events:
+                line = await resp.content.readline()
+                read += line.startswith(b"data: ")
+            read_before_drop.append(read)
+            resp.close()  # the client goes away at this point of its stream
+
+        await asyncio.gather(*(dropped(i) for i in range(100)))
+        assert len(read_before_drop) == 100 and len(set(read_before_drop)) > 3
+        results = await asyncio.gather(*keep)
+        assert [r["finish"] for r in results] == ["length"] * 6  # the others complete
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            await metric(session, url, "iwg_requests_running") > 0
+            or await metric(session, url, "iwg_kv_cache_usage") > 0
+        ):
+            await asyncio.sleep(0.5)
+        assert await metric(session, url, "iwg_requests_running") == 0
+        assert await metric(session, url, "iwg_requests_waiting") == 0
+        assert await metric(session, url, "iwg_kv_cache_usage") == 0  # every dropped request's blocks freed

@@ -152,9 +152,13 @@ def test_logprobs_are_the_models_own(
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     assert logprobs[0] == pytest.approx(float(expected[tokens[0]]), abs=1e-3)
-    assert [t for t, _ in top[0]] == torch.topk(expected, 3).indices.tolist()
+    assert [t for t, _, _ in top[0]] == torch.topk(expected, 3).indices.tolist()
     assert top[0][0][0] == tokens[0]  # greedy: the most likely token was chosen
     assert len(logprobs) == len(top) == len(tokens)
+    # Each token is named by its own text, as the tokenizer spells it.
+    texts = [t for item in items for t in item["token_texts"]]
+    assert texts == [tokenizer.decode([t]) for t in tokens]
+    assert [text for _, _, text in top[0]] == [tokenizer.decode([t]) for t, _, _ in top[0]]
 
 
 def test_bad_requests_are_refused_alone_before_they_reach_a_batch(

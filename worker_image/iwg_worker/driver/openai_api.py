@@ -21,6 +21,8 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Names and tags are short; a longer one is a mistake (and would be echoed back in errors).
 ShortStr = Annotated[StrictStr, Field(max_length=256)]
+MAX_N = 16  # choices per prompt (each is its own engine request)
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 5 for completions, 20 for chat)
 
 
 class EmbeddingRequest(_Request):
@@ -42,7 +44,7 @@ class _GenerationRequest(_Request):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool = False
@@ -60,8 +62,9 @@ class _GenerationRequest(_Request):
 class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 16
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
 
 
 class ChatMessage(_Request):
@@ -77,7 +80,8 @@ class ResponseFormat(_Request):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
-    logprobs: Literal[False] = False
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -105,10 +109,34 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per token its text, logprob, the top tokens' logprobs, its text offset."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -120,7 +148,7 @@ class ChatCompletionMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 

@@ -14,12 +14,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from iwg_worker.driver.batcher import Batcher, BatchKey, BatchParams, QueuedItem, QueueFull
+from iwg_worker.driver.logprobs import add_completion_logprobs, chat_logprobs
 from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.openai_api import (
     ApiError,
@@ -27,7 +28,9 @@ from iwg_worker.driver.openai_api import (
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     EmbeddingData,
@@ -54,6 +57,7 @@ from iwg_worker.driver.streams import GenerationService, StreamInterrupted, Stre
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 at most, whatever the model
 
 
@@ -180,126 +184,204 @@ class Driver:
         return EmbeddingResponse.model_construct(object="list", data=data, model=req.model, usage=usage)
 
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
-        """A completion: every prompt streamed from an engine, collected into one response."""
-        self._check_model(req.model, "generate", "/v1/completions")
-        prompts = self._prompts(req.prompt)
-        params = self._sampling(req, count=len(prompts))
-        requests = [self._with_prompt(params, p) for p in prompts]
-        texts, usages = await self._collect(requests)
-        choices = [
-            CompletionChoice(text=text, index=i, finish_reason=_finish(usages[i]))
-            for i, text in enumerate(texts)
-        ]
+        """A completion: every choice (``n`` per prompt) streamed from an engine, collected into one response."""
+        choices = self._completion_choices(req)
+        results = await self._collect(choices)
+        out: list[CompletionChoice] = []
+        for choice, items in zip(choices, results, strict=True):
+            prefix = choice.prefix()
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = len(prefix)
+                for item in items:
+                    offset = add_completion_logprobs(logprobs, item, offset)
+            text = prefix + "".join(item["text"] for item in items)
+            out.append(
+                CompletionChoice(
+                    text=text, index=choice.index, logprobs=logprobs, finish_reason=_finish(choice.usage)
+                )
+            )
         return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=_usage(usages)
+            id=f"cmpl-{uuid.uuid4().hex}", model=req.model, choices=out, usage=_usage(choices)
         )
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         """A chat completion: the messages rendered with the model's chat template by the worker."""
-        requests = self._chat_requests(req)
-        texts, usages = await self._collect(requests)
-        choices = [
+        choices = self._chat_choices(req)
+        results = await self._collect(choices)
+        out = [
             ChatCompletionChoice(
-                index=0, message=ChatCompletionMessage(content=texts[0]), finish_reason=_finish(usages[0])
+                index=choice.index,
+                message=ChatCompletionMessage(content="".join(item["text"] for item in items)),
+                logprobs=(
+                    ChatLogprobs(content=[e for item in items for e in chat_logprobs(item)])
+                    if req.logprobs
+                    else None
+                ),
+                finish_reason=_finish(choice.usage),
             )
+            for choice, items in zip(choices, results, strict=True)
         ]
         return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, choices=choices, usage=_usage(usages)
+            id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, choices=out, usage=_usage(choices)
         )
 
     def stream_completion(self, req: CompletionRequest) -> AsyncGenerator[dict[str, Any]]:
         """The chunks of a streamed completion (OpenAI's ``text_completion`` chunk bodies)."""
-        self._check_model(req.model, "generate", "/v1/completions")
-        prompts = self._prompts(req.prompt)
-        params = self._sampling(req, count=len(prompts))
-        requests = [self._with_prompt(params, p) for p in prompts]
+        choices = self._completion_choices(req)
+        offsets: dict[int, int] = {}  # per choice: characters sent so far (the next token's text_offset)
 
-        def choice(index: int, item: dict[str, Any]) -> dict[str, Any]:
+        def render(choice: _Choice, item: dict[str, Any]) -> dict[str, Any]:
+            text = item["text"]
+            if choice.index not in offsets:
+                prefix = choice.prefix()  # echo: the prompt comes first, in the choice's first chunk
+                text = prefix + text
+                offsets[choice.index] = len(prefix)
+            logprobs = None
+            if req.logprobs is not None:
+                part = CompletionLogprobs()
+                offsets[choice.index] = add_completion_logprobs(part, item, offsets[choice.index])
+                logprobs = part.model_dump()
             return {
-                "text": item["text"],
-                "index": index,
-                "logprobs": None,
+                "text": text,
+                "index": choice.index,
+                "logprobs": logprobs,
                 "finish_reason": item["finish_reason"],
             }
 
-        return self._chunks(req, requests, "text_completion", f"cmpl-{uuid.uuid4().hex}", choice)
+        return self._chunks(req, choices, "text_completion", f"cmpl-{uuid.uuid4().hex}", render)
 
     def stream_chat(self, req: ChatCompletionRequest) -> AsyncGenerator[dict[str, Any]]:
         """The chunks of a streamed chat completion (``chat.completion.chunk``: the role in the first delta)."""
-        requests = self._chat_requests(req)
+        choices = self._chat_choices(req)
         started: set[int] = set()
 
-        def choice(index: int, item: dict[str, Any]) -> dict[str, Any]:
+        def render(choice: _Choice, item: dict[str, Any]) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": item["text"]}
-            if index not in started:
-                started.add(index)
+            if choice.index not in started:
+                started.add(choice.index)
                 delta = {"role": "assistant", **delta}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": item["finish_reason"]}
+            logprobs = ChatLogprobs(content=chat_logprobs(item)).model_dump() if req.logprobs else None
+            return {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": item["finish_reason"],
+            }
 
-        return self._chunks(req, requests, "chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", choice)
+        return self._chunks(req, choices, "chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", render)
 
-    async def _collect(self, requests: list[dict[str, Any]]) -> tuple[list[str], list[StreamUsage]]:
-        usages = [StreamUsage() for _ in requests]
+    async def _collect(self, choices: list[_Choice]) -> list[list[dict[str, Any]]]:
+        """Every choice's stream items, all or none (one failing cancels the others)."""
 
-        async def collect(index: int) -> str:
-            parts = [item["text"] async for item in self._generate(requests[index], usages[index])]
-            return "".join(parts)
+        async def collect(choice: _Choice) -> list[dict[str, Any]]:
+            return [item async for item in self._generate(choice.request, choice.usage)]
 
-        return await _all_or_none([collect(i) for i in range(len(requests))]), usages
+        return await _all_or_none([collect(c) for c in choices])
 
     async def _chunks(
         self,
         req: _GenerationRequest,
-        requests: list[dict[str, Any]],
+        choices: list[_Choice],
         kind: str,
         chunk_id: str,
-        choice: Callable[[int, dict[str, Any]], dict[str, Any]],
+        render: Callable[[_Choice, dict[str, Any]], dict[str, Any]],
     ) -> AsyncGenerator[dict[str, Any]]:
-        """Every request's chunks as they come; a last one with ``usage`` when ``stream_options.include_usage``."""
-        usages = [StreamUsage() for _ in requests]
+        """Every choice's chunks as they come; a last one with ``usage`` when ``stream_options.include_usage``."""
         created = int(time.time())
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[_Choice, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int) -> None:
+        async def pump(choice: _Choice) -> None:
             try:
-                async for item in self._generate(requests[index], usages[index]):
-                    await queue.put((index, item))
+                async for item in self._generate(choice.request, choice.usage):
+                    await queue.put((choice, item))
             except BaseException as exc:  # delivered to the reader, which raises it
-                await queue.put((index, exc))
+                await queue.put((choice, exc))
                 return
-            await queue.put((index, None))
+            await queue.put((choice, None))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
         head = {"id": chunk_id, "object": kind, "created": created, "model": req.model}
         try:
             remaining = len(tasks)
             while remaining:
-                index, item = await queue.get()
+                choice, item = await queue.get()
                 if item is None:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                yield {**head, "choices": [choice(index, item)]}
+                yield {**head, "choices": [render(choice, item)]}
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield {**head, "choices": [], "usage": _usage(usages).model_dump()}
+                yield {**head, "choices": [], "usage": _usage(choices).model_dump()}
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _chat_requests(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    def _completion_choices(self, req: CompletionRequest) -> list[_Choice]:
+        """``n`` choices per prompt, choice ``i * n + j`` the ``j``-th of prompt ``i`` (as OpenAI numbers them)."""
+        self._check_model(req.model, "generate", "/v1/completions")
+        prompts = self._prompts(req.prompt)
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(
+                400,
+                f"best_of {req.best_of} is not supported: every sample is returned, so best_of may only equal "
+                f"n ({req.n}).",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+        if req.echo and req.logprobs is not None:
+            raise ApiError(
+                400,
+                "echo with logprobs is not supported (it would need the prompt's logprobs); drop one of them.",
+                param="echo",
+                code="unsupported_parameter",
+            )
+        params = self._sampling(req, count=len(prompts) * req.n)
+        if req.logprobs is not None:
+            params |= {"logprobs": True, "top_logprobs": req.logprobs}
+        choices: list[_Choice] = []
+        for i, prompt in enumerate(prompts):
+            request = self._with_prompt(params, prompt)
+            echo = prompt if req.echo and isinstance(prompt, str) else None
+            if req.echo and echo is None:
+                request["echo"] = True  # token ids: the worker decodes them for the echo
+            choices.extend(
+                _Choice(
+                    i * req.n + j,
+                    _nth_sample(request, j),
+                    echo=echo,
+                    echo_tokens=req.echo and echo is None,
+                    counts_prompt=j == 0,
+                )
+                for j in range(req.n)
+            )
+        return choices
+
+    def _chat_choices(self, req: ChatCompletionRequest) -> list[_Choice]:
         self._check_model(req.model, "generate", "/v1/chat/completions")
         for i, message in enumerate(req.messages):
             self._check_text(message.content, f"messages[{i}].content", allow_empty=True)
-        params = self._sampling(req, req.max_completion_tokens or req.max_tokens)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        return [{**params, "messages": messages}]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs set to true.",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        params = self._sampling(req, req.max_completion_tokens or req.max_tokens, count=req.n)
+        if req.logprobs:
+            params |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
+        request = {**params, "messages": [{"role": m.role, "content": m.content} for m in req.messages]}
+        return [_Choice(j, _nth_sample(request, j), counts_prompt=j == 0) for j in range(req.n)]
 
     def _sampling(
         self, req: _GenerationRequest, max_tokens: int | None = None, count: int = 1
     ) -> dict[str, Any]:
-        """The engine parameters of a generation request, checked against this server's limits."""
+        """The engine parameters of a generation request (``count`` engine requests), checked against this
+        server's limits."""
         limit = self.config.max_completion_tokens
         max_tokens = max_tokens if max_tokens is not None else (req.max_tokens or 16)
         if max_tokens > limit:
@@ -314,6 +396,14 @@ class Driver:
         if any(s == "" for s in stops):
             raise ApiError(
                 400, "stop sequences must not be empty strings.", param="stop", code="invalid_value"
+            )
+        if count > self.config.max_streams:
+            raise ApiError(
+                400,
+                f"This request asks for {count} generations (prompts x n), above this server's limit of "
+                f"{self.config.max_streams} at once.",
+                param="n",
+                code="invalid_value",
             )
         if self.generations.active + count > self.config.max_streams:
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -580,13 +670,42 @@ def _finish(usage: StreamUsage) -> Literal["stop", "length"]:
     return "length" if usage.finish_reason == "length" else "stop"
 
 
-def _usage(usages: list[StreamUsage]) -> Usage:
-    prompt = sum(u.prompt_tokens for u in usages)
-    completion = sum(u.completion_tokens for u in usages)
+def _usage(choices: list[_Choice]) -> Usage:
+    """Tokens returned by every choice; a prompt's tokens counted once, however many choices it has."""
+    prompt = sum(c.usage.prompt_tokens for c in choices if c.counts_prompt)
+    completion = sum(c.usage.completion_tokens for c in choices)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _all_or_none(calls: list[Coroutine[Any, Any, str]]) -> list[str]:
+@dataclass(slots=True)
+class _Choice:
+    """One choice of a response: its engine request, its counts, and the prompt echoed before its text."""
+
+    index: int
+    request: dict[str, Any]
+    echo: str | None = None  # a text prompt echoed
+    echo_tokens: bool = False  # a token-id prompt echoed: its text comes with the engine's answer
+    counts_prompt: bool = True  # the first choice of its prompt: usage counts the prompt's tokens once
+    usage: StreamUsage = field(default_factory=StreamUsage)
+
+    def prefix(self) -> str:
+        if self.echo is not None:
+            return self.echo
+        return (self.usage.prompt_text or "") if self.echo_tokens else ""
+
+
+def _nth_sample(request: dict[str, Any], j: int) -> dict[str, Any]:
+    """The ``j``-th of ``n`` samples of a request: a seeded request's samples draw with seeds seed + j (so
+    they differ from each other, and each is reproducible)."""
+    if j == 0:
+        return request
+    seed = request.get("seed")
+    if seed is not None:
+        seed = (seed + j + 2**63) % 2**64 - 2**63
+    return {**request, "seed": seed}
+
+
+async def _all_or_none(calls: list[Coroutine[Any, Any, _T]]) -> list[_T]:
     """Every call's result in order; when one fails, the others are cancelled (their generation requests
     with them) and its error is raised."""
     tasks = [asyncio.create_task(call) for call in calls]

@@ -45,6 +45,7 @@ class StreamUsage:
     """Counts of one generation request, filled in while it streams."""
 
     prompt_tokens: int = 0
+    prompt_text: str | None = None  # the prompt as the worker decoded it, when the request asked for echo
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -97,6 +98,8 @@ class GenerationService:
                         code=error.get("code"),
                     )
                 usage.prompt_tokens = int(answer.get("prompt_tokens", 0))
+                if isinstance(answer.get("prompt_text"), str):
+                    usage.prompt_text = answer["prompt_text"]
                 produced = False
                 finished = False
                 try:

@@ -143,9 +143,16 @@ class GenerationEngine:
             return ""  # a model without a tokenizer streams token ids only
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _token_text(self, token: int) -> str:
+        """One token's own text, special tokens spelt out (what logprobs name a token by)."""
+        if self.tokenizer is None:
+            return str(token)
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
     def add(self, raw_requests: Any) -> list[dict[str, Any]]:
-        """Admit requests; one answer each, in order: ``{id, ok: true, prompt_tokens}`` or ``{id, ok: false,
-        error: {param, message, code}}``. A refused request never reaches the engine."""
+        """Admit requests; one answer each, in order: ``{id, ok: true, prompt_tokens}`` (and ``prompt_text``,
+        the prompt decoded, when the request asks for ``echo``) or ``{id, ok: false, error: {param, message,
+        code}}``. A refused request never reaches the engine."""
         if not isinstance(raw_requests, list):
             raise TypeError("engine_add takes a list of request maps")
         answers: list[dict[str, Any]] = []
@@ -159,7 +166,14 @@ class GenerationEngine:
             except RequestRejected as exc:
                 answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
                 continue
-            answers.append({"id": request.request_id, "ok": True, "prompt_tokens": len(request.prompt_ids)})
+            answer: dict[str, Any] = {
+                "id": request.request_id,
+                "ok": True,
+                "prompt_tokens": len(request.prompt_ids),
+            }
+            if request.echo:
+                answer["prompt_text"] = self._decode(list(request.prompt_ids))
+            answers.append(answer)
         return answers
 
     def _admit(self, request: Any) -> None:
@@ -169,7 +183,9 @@ class GenerationEngine:
                 raise RequestRejected(
                     "id", f"request id {request.request_id!r} is already running", "duplicate"
                 )
-            self._streams[request.request_id] = RequestStream(request, self._decode, self.eos_token_ids)
+            self._streams[request.request_id] = RequestStream(
+                request, self._decode, self.eos_token_ids, self._token_text
+            )
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         accepted = self.manager.add_request(
             list(request.prompt_ids),

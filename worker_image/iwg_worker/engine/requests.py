@@ -62,6 +62,7 @@ class GenerationRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    echo: bool = False  # the admission answer carries the prompt's text (a token-id prompt echoed back)
 
 
 _KEYS = frozenset(
@@ -80,6 +81,7 @@ _KEYS = frozenset(
         "ignore_eos",
         "logprobs",
         "top_logprobs",
+        "echo",
     }
 )
 
@@ -202,7 +204,7 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         seed = secrets.randbelow(SEED_LIMIT)
     elif type(seed) is not int or not -SEED_LIMIT <= seed < SEED_LIMIT:
         raise RequestRejected("seed", f"'seed' must be an integer within [-2^63, 2^63), got {seed!r}")
-    for flag in ("ignore_eos", "logprobs"):
+    for flag in ("ignore_eos", "logprobs", "echo"):
         if type(raw.get(flag, False)) is not bool:
             raise RequestRejected(flag, f"'{flag}' must be a boolean")
     params = SamplingParams(
@@ -217,4 +219,4 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         logprobs=bool(raw.get("logprobs", False)),
         top_logprobs=_int(raw, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS),
     )
-    return GenerationRequest(request_id, prompt_ids, params)
+    return GenerationRequest(request_id, prompt_ids, params, echo=bool(raw.get("echo", False)))

@@ -3,13 +3,15 @@
 Each engine step the engine hands every request that produced a token to its `RequestStream`, which turns the
 tokens so far into the next stream item (a msgpack map, the wire's ``stream`` item):
 
-``{id, tokens, text, logprobs, top_logprobs, finish_reason, error}``
+``{id, tokens, text, logprobs, token_texts, top_logprobs, finish_reason, error}``
 
 - ``tokens``/``text``: what is new since the last item. Text that could still turn out to start a stop string,
   or that ends inside a multi-byte character, is held back until the next token decides it.
 - a stop string found while decoding ends the request there (``finish_reason`` ``stop``): the text before it is
   returned, and only the tokens that text came from are returned and counted.
-- ``logprobs``: per returned token ``[chosen logprob]`` and, when asked, ``top_logprobs`` ``[[id, logprob], ...]``.
+- ``logprobs``: per returned token its logprob, ``token_texts`` its own text (special tokens spelt out, as the
+  client's logprobs name them) and, when asked, ``top_logprobs`` ``[[id, logprob, text], ...]``; all three nil
+  unless the request asked for logprobs.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from iwg_worker.engine.requests import GenerationRequest
 from iwg_worker.engine.sampler import TokenLogprobs
 
 Decode = Callable[[list[int]], str]
+TokenText = Callable[[int], str]
 _REPLACEMENT = "\ufffd"
 
 
 class RequestStream:
-    def __init__(self, request: GenerationRequest, decode: Decode, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        decode: Decode,
+        eos_token_ids: frozenset[int],
+        token_text: TokenText = str,
+    ) -> None:
         self.request = request
         self._decode = decode
+        self._token_text = token_text
         self._eos = eos_token_ids
         self.sent_tokens = 0  # tokens returned so far
         self.sent_chars = 0  # characters of text returned so far
@@ -65,6 +75,7 @@ class RequestStream:
             "tokens": new_tokens,
             "text": new_text,
             "logprobs": None,
+            "token_texts": None,
             "top_logprobs": None,
             "finish_reason": finish,
             "error": None,
@@ -72,8 +83,9 @@ class RequestStream:
         if take_logprobs is not None:
             entries = take_logprobs(len(new_tokens))
             item["logprobs"] = [e.logprob for e in entries]
+            item["token_texts"] = [self._token_text(t) for t in new_tokens[: len(entries)]]
             if params.top_logprobs:
-                item["top_logprobs"] = [[[t, lp] for t, lp in e.top] for e in entries]
+                item["top_logprobs"] = [[[t, lp, self._token_text(t)] for t, lp in e.top] for e in entries]
         self.sent_tokens += len(new_tokens)
         self.sent_chars += len(new_text)
         self.finished = finish is not None
@@ -86,6 +98,7 @@ class RequestStream:
             "tokens": [],
             "text": "",
             "logprobs": None,
+            "token_texts": None,
             "top_logprobs": None,
             "finish_reason": None,
             "error": message,
