@@ -32,8 +32,10 @@ def driver_address(dns_server: str, namespace: str, group: str) -> str | None:
     return found[0] if found else None
 
 
-def openai_client(address: str, port: int = 8000) -> OpenAI:
-    return OpenAI(base_url=f"http://{address}:{port}/v1", api_key="not-needed", max_retries=0, timeout=60)
+def openai_client(address: str, port: int = 8000, timeout: float = 60) -> OpenAI:
+    return OpenAI(
+        base_url=f"http://{address}:{port}/v1", api_key="not-needed", max_retries=0, timeout=timeout
+    )
 
 
 def pod_ready(pod: Any) -> bool:
@@ -74,6 +76,7 @@ class Load:
     clients: int = 2
     inputs: int = 4
     max_seconds: float = 300.0
+    timeout: float = 60.0  # seconds the client waits for an answer (a stream: for each of its chunks)
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (start, seconds)
@@ -89,18 +92,14 @@ class Load:
         return self
 
     def _run(self, index: int) -> None:
-        api = openai_client(self.address)
+        api = openai_client(self.address, timeout=self.timeout)
         deadline = time.monotonic() + self.max_seconds
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
             n += 1
             started = time.monotonic()
             try:
-                result = api.embeddings.create(
-                    model=self.model,
-                    input=[f"client {index} request {n} item {i}" for i in range(self.inputs)],
-                )
-                assert len(result.data) == self.inputs and len(result.data[0].embedding) == 384
+                self.request(api, index, n)
                 with self._lock:
                     self.ok += 1
                     self.latencies.append((started, time.monotonic() - started))
@@ -108,11 +107,42 @@ class Load:
                 with self._lock:
                     self.failures.append(f"{type(error).__name__}: {error}")
 
+    def request(self, api: OpenAI, index: int, n: int) -> None:
+        """One request of client `index`; raises on anything but the right answer."""
+        result = api.embeddings.create(
+            model=self.model, input=[f"client {index} request {n} item {i}" for i in range(self.inputs)]
+        )
+        assert len(result.data) == self.inputs and len(result.data[0].embedding) == 384
+
     def stop(self) -> Load:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=90)
+            thread.join(timeout=max(90.0, self.timeout))
         return self
+
+
+@dataclass
+class ChatLoad(Load):
+    """Clients streaming chat completions (`stream=True`, `max_tokens` each) in a loop; `inputs` is unused.
+    A request counts as ok only when its stream ends with a finish reason and carried text."""
+
+    max_tokens: int = 16
+    context: str = ""  # prepended to every question: longer prompts hold more KV cache blocks
+
+    def request(self, api: OpenAI, index: int, n: int) -> None:
+        question = f"{self.context}Client {index}, question {n}: name a colour of the rainbow."
+        stream = api.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=self.max_tokens,
+            stream=True,
+        )
+        text, finish = "", None
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        assert finish in ("stop", "length") and text.strip(), (finish, text)
 
 
 def diagnose(agent: Any, core: client.CoreV1Api, namespace: str) -> str:
@@ -132,14 +162,18 @@ def diagnose(agent: Any, core: client.CoreV1Api, namespace: str) -> str:
     return "\n".join(lines)
 
 
-def group_manifest(name: str, **spec: Any) -> dict[str, Any]:
-    """examples/minilm.yaml under another name, with spec fields replaced (top level, then one level down)."""
+def group_manifest(name: str, example: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """`example` (default examples/minilm.yaml) under another name, with spec fields replaced (top level, then
+    one level down)."""
     import copy
     from pathlib import Path
 
     import yaml
 
-    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "minilm.yaml").read_text())
+    if example is None:
+        example = yaml.safe_load(
+            (Path(__file__).resolve().parents[2] / "examples" / "minilm.yaml").read_text()
+        )
     manifest = copy.deepcopy(example)
     manifest["metadata"] = {"name": name}
     for key, value in spec.items():
@@ -176,7 +210,7 @@ def wait_serving(
         address = eventually(lambda: driver_address(agent.gateway, namespace, name), 30, "driver DNS name")
         api = openai_client(address)
         eventually(
-            lambda: _answers(api, groups.get(name)["spec"]["model"]["servedName"]),
+            lambda: _answers(api, groups.get(name)["spec"]["model"]),
             timeout,
             "the driver to answer with all replicas",
             interval=1.0,
@@ -186,9 +220,13 @@ def wait_serving(
         raise AssertionError(f"{error}\n{diagnose(agent, core, namespace)}") from None
 
 
-def _answers(api: OpenAI, model: str) -> bool:
+def _answers(api: OpenAI, model: dict[str, Any]) -> bool:
     try:
-        return len(api.embeddings.create(model=model, input=["ping"]).data) == 1
+        if model["task"] == "generate":
+            messages: Any = [{"role": "user", "content": "ping"}]
+            reply = api.chat.completions.create(model=model["servedName"], messages=messages, max_tokens=1)
+            return len(reply.choices) == 1
+        return len(api.embeddings.create(model=model["servedName"], input=["ping"]).data) == 1
     except Exception:
         return False
 

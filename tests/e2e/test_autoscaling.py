@@ -1,5 +1,7 @@
 """The autoscaler on real load: a load step scales the group up to max, and when load falls it scales down
-after the stabilization window, draining the leaving replica first: no flapping, no failed request."""
+after the stabilization window, draining the leaving replica first: no flapping, no failed request. Once for
+an embedding group on `inflight`, once for a SmolLM2 generation group on `requestsWaiting` under streaming
+chat load."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.e2e.harness import Load, eventually, group_manifest, wait_serving
+from tests.e2e.harness import ChatLoad, Load, eventually, group_manifest, wait_serving
 from tests.iwg_operator.conftest import Groups
+from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -50,56 +53,104 @@ class ReplicaTimeline:
         return self.values[-1][1] if self.values else -1
 
 
-def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_requests(
-    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
-) -> None:
-    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
-    name = "elastic"
-    manifest = group_manifest(
-        name,
-        replicas=1,
-        autoscaling={
-            "enabled": True,
-            "minReplicas": 1,
-            "maxReplicas": 2,
-            "metric": "inflight",
-            "target": 1.5,
-            "tolerance": 0.1,
-            "scaleUpStabilizationSeconds": 0,
-            "scaleDownStabilizationSeconds": DOWN_WINDOW_S,
-        },
-    )
-    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(groups, core, node_agent, name, replicas=1)
-    timeline = ReplicaTimeline(groups, name).start()
+def autoscaling(metric: str, target: float) -> dict[str, Any]:
+    """1 to 2 replicas on `metric`, up at once, down after DOWN_WINDOW_S."""
+    return {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "metric": metric,
+        "target": target,
+        "tolerance": 0.1,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": DOWN_WINDOW_S,
+    }
 
-    heavy = Load(address, MODEL, clients=4, inputs=8).start()
-    eventually(lambda: timeline.current() == 2, 60, "scale-up to maxReplicas")
-    wait_serving(groups, core, node_agent, name, replicas=2)
+
+def step_up_and_back(
+    groups: Groups,
+    core: client.CoreV1Api,
+    agent: NodeAgentProcess,
+    name: str,
+    timeline: ReplicaTimeline,
+    heavy: Load,
+    light: Load,
+) -> list[str]:
+    """With `light` running, the `heavy` load step scales the group 1 -> 2 and, once it stops, back to 1 after
+    the window: no flapping, no failed request. Returns the Autoscaled Events' messages."""
+    heavy.start()
+    eventually(lambda: timeline.current() == 2, 120, "scale-up to maxReplicas")
+    wait_serving(groups, core, agent, name, replicas=2)
     time.sleep(3)
-    light = Load(address, MODEL, clients=1, inputs=1).start()
     # The load starts falling when the heavy clients stop sending, not when their last answers are in:
     # stop() waits for those, seconds on a busy machine, and the window may already run meanwhile.
-    scaled_down_after = time.monotonic()
+    load_fell = time.monotonic()
     heavy.stop()
     eventually(lambda: timeline.current() == 1, DOWN_WINDOW_S + 60, "scale-down after the window")
-    waited = time.monotonic() - scaled_down_after
-    eventually(lambda: len([p for p in groups.live_pods(name)]) == 1, 60, "the second replica's pod to go")
+    waited = time.monotonic() - load_fell
+    eventually(lambda: len(groups.live_pods(name)) == 1, 60, "the second replica's pod to go")
     time.sleep(3)
     light.stop()
     history = timeline.stop()
 
     print(f"replicas {history}; scale-down {waited:.1f}s after the load fell (window {DOWN_WINDOW_S}s)")
+    print(f"requests ok: heavy {heavy.ok}, light {light.ok}")
     assert history == [1, 2, 1]  # up once, down once: no flapping
     assert waited >= DOWN_WINDOW_S - 1
     assert heavy.failures == [] and light.failures == [], (heavy.failures[:3], light.failures[:3])
-    assert heavy.ok > 10 and light.ok > 5
     status = groups.get(name)["status"]
     assert status["scaleCount"] == 2
     scaling = next(c for c in status["conditions"] if c["type"] == "ScalingActive")
     assert scaling["status"] == "True", scaling
-    reasons = [
-        e.reason
-        for e in core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
-    ]
-    assert reasons.count("Autoscaled") == 2
+    events = core.list_namespaced_event(groups.namespace, field_selector=f"involvedObject.name={name}").items
+    messages = [e.message for e in events if e.reason == "Autoscaled"]
+    assert len(messages) == 2, messages
+    return messages
+
+
+def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_requests(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "elastic"
+    manifest = group_manifest(name, replicas=1, autoscaling=autoscaling("inflight", 1.5))
+    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
+    address = wait_serving(groups, core, node_agent, name, replicas=1)
+    timeline = ReplicaTimeline(groups, name).start()
+    light = Load(address, MODEL, clients=1, inputs=1).start()
+    heavy = Load(address, MODEL, clients=4, inputs=8)
+    step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
+    assert heavy.ok > 10 and light.ok > 5
+
+
+# About 200 prompt tokens take 4 of the 16 KV cache blocks (64 tokens each): one replica runs 4 such streams
+# at once, the others wait in its engine, which is what requestsWaiting counts. A waiting stream receives
+# nothing until it runs: on this shared 2-core machine that can take more than a minute, hence the timeout.
+KV_BLOCKS = 16
+CONTEXT = (
+    "Background: the rainbow has seven colours, red, orange, yellow, green, blue, indigo and violet. " * 7
+)
+CHAT_TIMEOUT_S = 300.0
+
+
+def test_streaming_chat_load_scales_a_generation_group_on_requests_waiting_and_back(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "chat"
+    manifest = group_manifest(
+        name, smollm2_manifest(KV_BLOCKS), replicas=1, autoscaling=autoscaling("requestsWaiting", 1)
+    )
+    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
+    address = wait_serving(groups, core, node_agent, name, replicas=1)
+    model = manifest["spec"]["model"]["servedName"]
+    timeline = ReplicaTimeline(groups, name).start()
+    light = ChatLoad(address, model, clients=1, max_tokens=8, timeout=CHAT_TIMEOUT_S).start()
+    time.sleep(DOWN_WINDOW_S)
+    assert timeline.current() == 1, "one client streaming at a time leaves nothing waiting: no scale-up"
+
+    heavy = ChatLoad(address, model, clients=7, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S)
+    messages = step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
+    assert heavy.ok >= 7 and light.ok >= 3
+    assert all("requestsWaiting" in m for m in messages), messages
+    assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages

@@ -115,13 +115,9 @@ def start_smollm2(tmp: Path, env: dict[str, str], kv_blocks: int | None = None) 
     returns once it is ready. The caller stops it (`stop(served.process)`)."""
     import yaml
 
-    from tests.models import smollm2_dir
+    from tests.models import smollm2_manifest
 
-    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
-    manifest["spec"]["model"]["path"] = str(smollm2_dir())
-    if kv_blocks is not None:
-        manifest["spec"]["model"]["kvCache"] = {"blocks": kv_blocks}
-    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
+    (tmp / "group.yaml").write_text(yaml.safe_dump(smollm2_manifest(kv_blocks)))
     port = free_port()
     log = tmp / "serve.log"
     with open(log, "wb") as out:
