@@ -52,6 +52,7 @@ log = logging.getLogger("iwg_operator.controller")
 GroupKey = tuple[str, str]  # (namespace, name)
 PodLookup = Callable[[GroupKey], Iterable[planning.ObservedPod]]
 PodGroupLookup = Callable[[GroupKey], Iterable[planning.ObservedPodGroup]]
+DriverLookup = Callable[[GroupKey], Iterable[planning.ObservedDriver]]
 
 DEBOUNCE_SECONDS = 0.05
 EXPECTATION_SECONDS = 30.0
@@ -123,6 +124,7 @@ class Controller:
         self.groups: dict[GroupKey, GroupState] = {}
         self._pods: PodLookup = lambda key: ()
         self._pod_groups: PodGroupLookup = lambda key: ()
+        self._drivers: DriverLookup | None = None
         self._support_slots = asyncio.Semaphore(SUPPORT_CONCURRENCY)
         self._http: aiohttp.ClientSession | None = None
         self.scheduling_timeout = float(
@@ -136,6 +138,9 @@ class Controller:
 
     def bind_pod_group_index(self, lookup: PodGroupLookup) -> None:
         self._pod_groups = lookup
+
+    def bind_driver_index(self, lookup: DriverLookup) -> None:
+        self._drivers = lookup
 
     def observe_group(self, body: Mapping[str, Any]) -> bool:
         """Every watch event of a live group: keep its latest body. True when its generation has not been
@@ -321,6 +326,7 @@ class Controller:
                 group.spec.scheduling.scheduler_name,
                 self.scheduling_timeout,
                 gang,
+                None if self._drivers is None else list(self._drivers(state.key)),
             )
 
         await self._write_status(state, current_status())

@@ -15,11 +15,19 @@ from iwg_operator import labels, runtime
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import Controller, GroupKey, group_from_body
 from iwg_operator.kube import POD_GROUPS
-from iwg_operator.planning import ObservedPod, ObservedPodGroup, observe_pod, observe_pod_group
+from iwg_operator.planning import (
+    ObservedDriver,
+    ObservedPod,
+    ObservedPodGroup,
+    observe_driver_pod,
+    observe_pod,
+    observe_pod_group,
+)
 from iwg_operator.supervisor import Supervisor
 
 GROUP_RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
+DRIVER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_DRIVER}
 POD_GROUP_RESOURCE = (POD_GROUPS.group, POD_GROUPS.version, POD_GROUPS.plural)
 GANGS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_GANG}
 
@@ -38,6 +46,7 @@ def _bind(controller: Controller, indices: Mapping[str, Any]) -> None:
     """Kopf passes indices by their function's name to every handler."""
     worker_pods: kopf.Index[GroupKey, ObservedPod] = indices["worker_pods"]
     gangs: kopf.Index[GroupKey, ObservedPodGroup] = indices["pod_groups"]
+    drivers: kopf.Index[GroupKey, ObservedDriver] = indices["driver_pods"]
 
     def pods(key: GroupKey) -> Iterable[ObservedPod]:
         return list(worker_pods.get(key, ()))
@@ -45,8 +54,12 @@ def _bind(controller: Controller, indices: Mapping[str, Any]) -> None:
     def pod_groups(key: GroupKey) -> Iterable[ObservedPodGroup]:
         return list(gangs.get(key, ()))
 
+    def driver_pods(key: GroupKey) -> Iterable[ObservedDriver]:
+        return list(drivers.get(key, ()))
+
     controller.bind_pod_index(pods)
     controller.bind_pod_group_index(pod_groups)
+    controller.bind_driver_index(driver_pods)
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,6 +108,24 @@ async def worker_pod_event(
     memo: kopf.Memo,
     **kwargs: Any,
 ) -> None:
+    controller = _controller(memo)
+    _bind(controller, kwargs)
+    controller.pods_changed(
+        (str(namespace), str(body.get("metadata", {}).get("labels", {}).get(labels.GROUP)))
+    )
+
+
+# The drivers' pods: the DriverAvailable condition says whether one serves.
+@kopf.index("pods", labels=DRIVER_PODS)
+async def driver_pods(
+    body: kopf.Body, namespace: str | None, **_: Any
+) -> dict[GroupKey, ObservedDriver] | None:
+    driver = observe_driver_pod(body)
+    return None if driver is None else {(str(namespace), driver.group): driver}
+
+
+@kopf.on.event("pods", labels=DRIVER_PODS)
+async def driver_pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
     controller = _controller(memo)
     _bind(controller, kwargs)
     controller.pods_changed(

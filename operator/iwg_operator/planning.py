@@ -82,6 +82,34 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
 
 
 @dataclass(frozen=True)
+class ObservedDriver:
+    """What the status needs to know about one driver pod (kept in the driver pod index)."""
+
+    name: str
+    group: str
+    ready: bool
+    terminating: bool
+    restarts: int
+
+
+def observe_driver_pod(body: Mapping[str, Any]) -> ObservedDriver | None:
+    """Summarise a driver pod body; None when it belongs to no group."""
+    metadata = body.get("metadata", {})
+    group = (metadata.get("labels") or {}).get(labels.GROUP)
+    if not group:
+        return None
+    status = body.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    return ObservedDriver(
+        name=str(metadata.get("name")),
+        group=str(group),
+        ready=conditions.get("Ready", {}).get("status") == "True",
+        terminating=metadata.get("deletionTimestamp") is not None,
+        restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
+    )
+
+
+@dataclass(frozen=True)
 class ObservedPodGroup:
     """What the operator needs to know about one replica's PodGroup (kept in the PodGroup index)."""
 

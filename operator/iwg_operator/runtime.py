@@ -16,16 +16,18 @@ from iwg_operator.kube import Connection, KubeApi
 ENV_CLUSTER_DOMAIN = "IWG_CLUSTER_DOMAIN"
 ENV_OPERATOR_NAMESPACE = "IWG_OPERATOR_NAMESPACE"
 
-WORKER_POD_SELECTOR = labels.selector_string(
-    {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
+# The operator's worker pods (reconciled, probed) and driver pods (the DriverAvailable condition).
+POD_SELECTOR = (
+    f"{labels.MANAGED_BY}={labels.MANAGER},"
+    f"{labels.COMPONENT} in ({labels.COMPONENT_WORKER},{labels.COMPONENT_DRIVER})"
 )
 
 
 def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # The operator posts its own Events (counted, deduplicated); Kopf's per-handler events would be noise writes.
     settings.posting.enabled = False
-    # Watch only the operator's worker pods, filtered by the API server.
-    settings.watching.label_selectors["pods"] = WORKER_POD_SELECTOR
+    # Watch only the operator's worker and driver pods, filtered by the API server.
+    settings.watching.label_selectors["pods"] = POD_SELECTOR
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     # Resources are discovered once; no CRD/namespace scanning (smaller RBAC, fewer requests).

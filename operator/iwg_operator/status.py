@@ -12,7 +12,15 @@ from datetime import datetime
 from typing import Any
 
 from iwg_operator import labels
-from iwg_operator.planning import Desired, ObservedPod, ObservedPodGroup, PodPlan, ReplicaView, replica_views
+from iwg_operator.planning import (
+    Desired,
+    ObservedDriver,
+    ObservedPod,
+    ObservedPodGroup,
+    PodPlan,
+    ReplicaView,
+    replica_views,
+)
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -21,6 +29,7 @@ UNSCHEDULABLE = "Unschedulable"
 SPEC_INVALID = "SpecInvalid"
 RECONCILE_FAILED = "ReconcileFailed"
 GANG_SCHEDULING = "GangScheduling"
+DRIVER_AVAILABLE = "DriverAvailable"
 
 GANG_NOT_SERVED = (
     "the cluster does not serve workloads and podgroups (scheduling.k8s.io/v1beta1: Kubernetes >= 1.37 with "
@@ -114,10 +123,12 @@ def group_status(
     scheduler_name: str | None = None,
     scheduling_timeout: float = DEFAULT_SCHEDULING_TIMEOUT_SECONDS,
     gang: Gang | None = None,
+    drivers: Iterable[ObservedDriver] | None = None,
 ) -> Status:
     """The status the group should show. `failure` is an error from applying the plan (API refusal);
     `scheduler_name` is spec.scheduling.schedulerName, named when no scheduler picks the pods up; `gang` is
-    None when the spec asks for no gang placement."""
+    None when the spec asks for no gang placement; `drivers` are the group's driver pods (None: not looked
+    at, no DriverAvailable condition)."""
     pods = list(pods)
     views = replica_views(desired, pods)
     kept = [views[i] for i in range(desired.replicas)]
@@ -210,6 +221,8 @@ def group_status(
         )
     if SPEC_INVALID in before:
         conditions.append(condition(SPEC_INVALID, False, "Valid", "spec is valid", generation, before, now))
+    if drivers is not None:
+        conditions.append(_driver_condition(list(drivers), generation, before, now))
     placement = {v.index: gang.replica(v) for v in existing} if gang is not None and gang.served else {}
     if gang is not None:
         conditions.append(_gang_condition(gang, placement, generation, before, now))
@@ -240,6 +253,22 @@ def group_status(
         ],
         "conditions": conditions,
     }
+
+
+def _driver_condition(
+    drivers: list[ObservedDriver], generation: int, before: Mapping[str, Mapping[str, Any]], now: str
+) -> dict[str, Any]:
+    """DriverAvailable: True while a driver pod is ready (it serves the group's clients); False while none
+    is, which is when the group's Service has nobody to send requests to."""
+    live = sorted((d for d in drivers if not d.terminating), key=lambda d: d.name)
+    ready = [d for d in live if d.ready]
+    if ready:
+        message = f"{len(ready)}/{len(live)} driver pod(s) ready"
+        return condition(DRIVER_AVAILABLE, True, "DriverReady", message, generation, before, now)
+    if not live:
+        return condition(DRIVER_AVAILABLE, False, "NoDriverPod", "no driver pod", generation, before, now)
+    message = "no driver pod ready: " + ", ".join(f"{d.name} (restarts {d.restarts})" for d in live)
+    return condition(DRIVER_AVAILABLE, False, "DriverDown", message, generation, before, now)
 
 
 def _scheduling(

@@ -42,10 +42,14 @@ def pod_ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
 
 
-def worker_pods(core: client.CoreV1Api, namespace: str, group: str) -> list[Any]:
-    selector = f"inference.iwg.dev/group={group},app.kubernetes.io/component=worker"
+def worker_pods(core: client.CoreV1Api, namespace: str, group: str, component: str = "worker") -> list[Any]:
+    selector = f"inference.iwg.dev/group={group},app.kubernetes.io/component={component}"
     pods = core.list_namespaced_pod(namespace, label_selector=selector).items
     return sorted(pods, key=lambda p: p.metadata.name)
+
+
+def driver_pods(core: client.CoreV1Api, namespace: str, group: str) -> list[Any]:
+    return worker_pods(core, namespace, group, component="driver")
 
 
 def live_ready_workers(core: client.CoreV1Api, namespace: str, group: str) -> list[Any]:
@@ -79,6 +83,7 @@ class Load:
     timeout: float = 60.0  # seconds the client waits for an answer (a stream: for each of its chunks)
     ok: int = 0
     failures: list[str] = field(default_factory=list)
+    failed_at: list[float] = field(default_factory=list)  # when each failed request was sent (monotonic)
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (start, seconds)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -106,6 +111,7 @@ class Load:
             except Exception as error:
                 with self._lock:
                     self.failures.append(f"{type(error).__name__}: {error}")
+                    self.failed_at.append(started)
 
     def request(self, api: OpenAI, index: int, n: int) -> None:
         """One request of client `index`; raises on anything but the right answer."""
@@ -196,14 +202,7 @@ def wait_serving(
             f"{replicas} replica(s) of {name} ready",
         )
         eventually(
-            lambda: [
-                p
-                for p in core.list_namespaced_pod(
-                    namespace,
-                    label_selector=f"inference.iwg.dev/group={name},app.kubernetes.io/component=driver",
-                ).items
-                if pod_ready(p)
-            ],
+            lambda: [p for p in driver_pods(core, namespace, name) if pod_ready(p)],
             timeout,
             "the driver ready",
         )

@@ -5,8 +5,10 @@ from __future__ import annotations
 from iwg_operator import labels, status
 from iwg_operator.planning import (
     Desired,
+    ObservedDriver,
     ObservedPod,
     ObservedPodGroup,
+    observe_driver_pod,
     observe_pod,
     observe_pod_group,
     plan_gang,
@@ -118,6 +120,39 @@ def test_status_counts_conditions_and_is_stable() -> None:
     assert conditions["Ready"]["status"] == "True" and conditions["Ready"]["observedGeneration"] == 3
     again = status.group_status("g", 3, desired, pods, plan, first, "t2")
     assert not status.status_differs(first, again)
+
+
+def test_driver_available_condition_follows_the_driver_pods() -> None:
+    desired = Desired(1, 1, REV, 1)
+    pods = full(1, 1)
+    plan = plan_pods(desired, pods)
+
+    def driver_condition(drivers: list[ObservedDriver], previous: object = None) -> dict[str, str]:
+        result = status.group_status("g", 1, desired, pods, plan, previous, "t", drivers=drivers)  # type: ignore[arg-type]
+        return {c["type"]: c for c in result["conditions"]}["DriverAvailable"]
+
+    up = ObservedDriver("g-driver-a", "g", ready=True, terminating=False, restarts=0)
+    down = ObservedDriver("g-driver-a", "g", ready=False, terminating=False, restarts=1)
+    leaving = ObservedDriver("g-driver-b", "g", ready=True, terminating=True, restarts=0)
+    assert (driver_condition([up])["status"], driver_condition([up])["message"]) == (
+        "True", "1/1 driver pod(s) ready"
+    )  # fmt: skip
+    lost = driver_condition([down, leaving])
+    assert (lost["status"], lost["reason"]) == ("False", "DriverDown")
+    assert lost["message"] == "no driver pod ready: g-driver-a (restarts 1)"
+    assert driver_condition([])["reason"] == "NoDriverPod"
+    # Not looked at: no condition at all.
+    result = status.group_status("g", 1, desired, pods, plan, None, "t")
+    assert "DriverAvailable" not in {c["type"] for c in result["conditions"]}
+    body = {
+        "metadata": {"name": "g-driver-a", "labels": {labels.GROUP: "g"}},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"restartCount": 2}],
+        },
+    }
+    assert observe_driver_pod(body) == ObservedDriver("g-driver-a", "g", False, False, 2)
+    assert observe_driver_pod({"metadata": {"labels": {}}}) is None
 
 
 def test_status_reports_unschedulable_with_the_scheduler_message() -> None:

@@ -8,6 +8,11 @@ the busy loop only when that cannot block (nothing queued, a non-blocking send s
 output thread sends it, so sending never holds up the next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
 finishes, a goodbye is sent, the process exits 0.
+
+Driver loss: the driver pings every member once per heartbeat interval. When no ping has come for
+``heartbeat_interval_s * DEFAULT_HEARTBEAT_MISSES`` the worker logs that its driver is lost and keeps its model
+loaded; ZMQ reconnects both sockets to the same endpoint (re-resolving its name), the heartbeats that keep
+going out introduce the worker to the driver that comes up there, and its first ping ends the loss.
 """
 
 from __future__ import annotations
@@ -198,6 +203,8 @@ class WorkerProc:
         self._loop_tick = time.monotonic()
         self._in_flight: tuple[str, float | None] | None = None
         self._last_ping: float | None = None
+        self._driver_lost = False  # no ping for the heartbeat timeout; read and written by the output thread
+        self._driver_timeout_s = config.heartbeat_interval_s * wiring.DEFAULT_HEARTBEAT_MISSES
         self._last_call: int | None = None
         self._model_loaded = False
         self.health = HealthServer(
@@ -264,6 +271,7 @@ class WorkerProc:
             "busy_loop_age_s": round(loop_age, 3),
             "in_flight": in_flight[0] if in_flight else None,
             "driver_ping_age_s": None if self._last_ping is None else round(now - self._last_ping, 3),
+            "driver_connected": self._last_ping is not None and not self._driver_lost,
             "replica": self.replica,
             "rank": self.rank,
             "worker": report,
@@ -327,10 +335,29 @@ class WorkerProc:
             except queue.Empty:
                 frames = self._hello("heartbeat")
                 next_beat = time.monotonic() + interval
+                self._watch_driver()
             else:
                 if frames is None:
                     return
             self._send_blocking(frames)
+
+    def _watch_driver(self) -> None:
+        """Log the driver's loss (no ping for the heartbeat timeout) and its return (a ping again); the model
+        stays loaded either way. Runs on the output thread once per heartbeat."""
+        last = self._last_ping
+        if last is None:
+            return  # no driver has reached this worker yet
+        silent = time.monotonic() - last
+        if not self._driver_lost and silent > self._driver_timeout_s:
+            self._driver_lost = True
+            log.warning(
+                "driver lost: no ping for %.1f s; keeping the model loaded and waiting for a driver on %s",
+                silent,
+                self.config.rpc_endpoint,
+            )
+        elif self._driver_lost and silent <= self._driver_timeout_s:
+            self._driver_lost = False
+            log.info("driver reached this worker again; serving it")
 
     def _send_blocking(self, frames: list[Any]) -> None:
         while True:

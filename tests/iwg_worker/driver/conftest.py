@@ -132,3 +132,71 @@ def start_smollm2(tmp: Path, env: dict[str, str], kv_blocks: int | None = None) 
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
     return Served(url, proc, log)
+
+
+@dataclass
+class Wiring:
+    """A group wired as the operator wires pods: `iwg-driver` (ClusterExecutor, tcp + CURVE on loopback ports)
+    and one `iwg-worker` environment per replica (MiniLM, CPU), all in ``tmp``."""
+
+    url: str
+    driver_env: dict[str, str]
+    worker_envs: dict[int, dict[str, str]]
+    tmp: Path
+
+    def start_driver(self) -> tuple[subprocess.Popen[bytes], Path]:
+        log = self.tmp / f"driver-{time.monotonic_ns()}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "iwg_worker.driver.main"],
+                env=self.driver_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return proc, log
+
+
+def wire_group(tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: float) -> Wiring:
+    """``replicas`` worker environments; the driver admits replica indices below ``bound``."""
+    from iwg_operator.api import wiring
+    from iwg_worker.executor.multiproc import worker_env
+    from iwg_worker.security import CurveKeys
+    from iwg_worker.worker_base import WorkerConfig
+
+    curve = CurveKeys.generate().save(tmp / "curve")
+    token = tmp / "admin-token"
+    token.write_text(ADMIN_TOKEN)
+    rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+    base = {**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"}
+    driver_env = {
+        **base,
+        wiring.GROUP: name,
+        wiring.REPLICAS: str(bound),
+        wiring.WORLD_SIZE: "1",
+        wiring.RPC_ENDPOINT: rpc,
+        wiring.RESPONSE_ENDPOINT: response,
+        wiring.POD_IP: "127.0.0.1",
+        wiring.CURVE_DIR: str(curve),
+        wiring.MODEL_TASK: "embed",
+        wiring.SERVED_NAME: "minilm",
+        wiring.HTTP_HOST: "127.0.0.1",
+        wiring.HTTP_PORT: str(http),
+        wiring.ADMIN_TOKEN_FILE: str(token),
+        wiring.HEARTBEAT_INTERVAL: str(heartbeat_s),
+        wiring.MAX_BATCH_SIZE: "4",
+        wiring.MAX_WAIT_MS: "5",
+    }
+    worker_envs = {}
+    for replica in range(replicas):
+        config = WorkerConfig(
+            task="embed",
+            model_path=minilm_path(),
+            served_name="minilm",
+            device="cpu",
+            group=name,
+            replica=replica,
+        )
+        env = worker_env(config, rpc, response, curve_dir=str(curve), heartbeat_interval_s=heartbeat_s)
+        worker_envs[replica] = {**base, **env}
+    return Wiring(f"http://127.0.0.1:{http}", driver_env, worker_envs, tmp)

@@ -9,7 +9,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,19 +19,14 @@ import aiohttp
 import numpy as np
 import pytest
 from iwg_operator.api import wiring
-from iwg_worker.executor.multiproc import launch_worker, worker_env
-from iwg_worker.security import CurveKeys
-from iwg_worker.worker_base import WorkerConfig
+from iwg_worker.executor.multiproc import launch_worker
 
 from tests.iwg_worker.driver.conftest import (
     ADMIN_TOKEN,
-    ROOT,
     STARTUP_TIMEOUT_S,
-    free_port,
-    minilm_path,
     stop,
-    subprocess_env,
     wait_http,
+    wire_group,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -67,52 +61,10 @@ class Group:
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     tmp = tmp_path_factory.mktemp("chaos")
-    curve = CurveKeys.generate().save(tmp / "curve")
-    token = tmp / "admin-token"
-    token.write_text(ADMIN_TOKEN)
-    rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
-    base = {**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"}
-    driver_env = {
-        **base,
-        wiring.GROUP: "chaos",
-        # Room for a third replica that never comes: it must not show up as a dead one.
-        wiring.REPLICAS: "3",
-        wiring.WORLD_SIZE: "1",
-        wiring.RPC_ENDPOINT: rpc,
-        wiring.RESPONSE_ENDPOINT: response,
-        wiring.POD_IP: "127.0.0.1",
-        wiring.CURVE_DIR: str(curve),
-        wiring.MODEL_TASK: "embed",
-        wiring.SERVED_NAME: "minilm",
-        wiring.HTTP_HOST: "127.0.0.1",
-        wiring.HTTP_PORT: str(http),
-        wiring.ADMIN_TOKEN_FILE: str(token),
-        wiring.HEARTBEAT_INTERVAL: str(HEARTBEAT_S),
-        wiring.MAX_BATCH_SIZE: "4",
-        wiring.MAX_WAIT_MS: "5",
-    }
-    driver_log = tmp / "driver.log"
-    with open(driver_log, "wb") as out:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "iwg_worker.driver.main"],
-            env=driver_env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    worker_envs = {}
-    for replica in (0, 1):
-        config = WorkerConfig(
-            task="embed",
-            model_path=minilm_path(),
-            served_name="minilm",
-            device="cpu",
-            group="chaos",
-            replica=replica,
-        )
-        env = worker_env(config, rpc, response, curve_dir=str(curve), heartbeat_interval_s=HEARTBEAT_S)
-        worker_envs[replica] = {**base, **env}
-    g = Group(f"http://127.0.0.1:{http}", driver, worker_envs, tmp)
+    # Room for a third replica that never comes: it must not show up as a dead one.
+    wired = wire_group(tmp, "chaos", replicas=2, bound=3, heartbeat_s=HEARTBEAT_S)
+    driver, driver_log = wired.start_driver()
+    g = Group(wired.url, driver, wired.worker_envs, tmp)
     try:
         wait_http(f"{g.url}/healthz", driver, 60, driver_log)
         for replica in (0, 1):

@@ -103,7 +103,10 @@ class RemoteExecutor(Executor):
         self._io_resting = False
         self._io_wake = threading.Event()
         self._changed = threading.Condition(self._lock)
-        self._ids = itertools.count(1)
+        # Call ids go on from the clock (microseconds), not from 1: a driver that restarted must never take an
+        # id that its predecessor used, as a worker may still send replies to the old calls, or name one as
+        # the last call it ran in a goodbye, to the new driver at the same address.
+        self._ids = itertools.count(time.time_ns() // 1000)
         self._pending: dict[int, PendingCall] = {}
         self._members: dict[tuple[int, int], _MemberState] = {}
         self._routes: dict[int, tuple[bytes, ...]] = {}  # serving replica -> routing ids by rank
