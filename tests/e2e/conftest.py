@@ -11,6 +11,7 @@ import pytest
 from kopf.testing import KopfRunner
 from kubernetes import client
 from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
 
 from tests.iwg_operator.conftest import Groups, iwg_crd
 from tests.nodeagent.fixture import NodeAgentProcess
@@ -31,7 +32,11 @@ def workspace(node_agent: NodeAgentProcess, namespace: str, k8s: ApiClient) -> I
             deployment.metadata.name, namespace, propagation_policy="Foreground"
         )
     for pod in core.list_namespaced_pod(namespace).items:
-        core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        try:
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        except ApiException as error:
+            if error.status != 404:  # a pod that was terminating may be gone since the list
+                raise
     deadline = time.monotonic() + 30
     while core.list_namespaced_pod(namespace).items and time.monotonic() < deadline:
         time.sleep(0.2)
