@@ -10,6 +10,11 @@ all measured in one run on the same prompts.
 - one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
   ``--serial-prompts`` prompts: its rate does not depend on how many streams wait.
 
+``--tp-streams N`` adds a row: `iwg serve` with worldSize 3 (SmolLM2 sharded three ways over gloo, three
+worker processes) against worldSize 1, both at N streams in the same run. On a machine of few cores this is
+no speed-up: the ratio is what the per-step all-reduces and request broadcast cost. ``--only-tp`` runs just
+those two.
+
 Prompts are 32 to 512 tokens; every request generates exactly ``--output-tokens`` tokens (greedy,
 end-of-sequence ignored). Reported per concurrency: output tokens/s, time to first token and inter-token
 latency (p50, p99), and the ratios iwg/direct and iwg/one-at-a-time.
@@ -195,7 +200,12 @@ def main() -> None:
     parser.add_argument("--streams", default="1,8,32,64")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--serial-prompts", type=int, default=4)
+    parser.add_argument("--tp-streams", type=int, default=8, help="streams of the worldSize 3 row (0: none)")
+    parser.add_argument("--only-tp", action="store_true", help="only worldSize 3 against worldSize 1")
     args = parser.parse_args()
+    if args.only_tp:
+        tensor_parallel_rows(args.tp_streams, args.output_tokens)
+        return
     levels = [int(x) for x in args.streams.split(",")]
 
     import torch
@@ -248,6 +258,50 @@ def main() -> None:
                 f"{served[n].rate / direct[n].rate:.2f}x of direct; {served[n].rate / serial.rate:.2f}x of one-at-a-time",
             )
         )
+    print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
+    if args.tp_streams:
+        print()
+        tensor_parallel_rows(args.tp_streams, args.output_tokens)
+
+
+def serve_rate(world_size: int, prompts: list[list[int]], output_tokens: int) -> Run:
+    from tests.iwg_worker.driver.conftest import start_smollm2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        served = start_smollm2(Path(tmp), dict(os.environ), kv_blocks=KV_BLOCKS, world_size=world_size)
+        try:
+            asyncio.run(run_serve(served.url, prompts[:2], 8))  # warm-up
+            return asyncio.run(run_serve(served.url, prompts, output_tokens))
+        finally:
+            served.process.terminate()
+            served.process.wait(60)
+
+
+def tensor_parallel_rows(streams: int, output_tokens: int) -> None:
+    """worldSize 3 against worldSize 1 through `iwg serve`, same prompts, one after the other."""
+    from iwg_worker.models.loading import load_tokenizer, model_source
+
+    from tests.models import smollm2_dir
+
+    prompts = make_prompts(load_tokenizer(model_source(smollm2_dir())), streams)
+    print(
+        f"# worldSize 3 against 1: {streams} streams, {output_tokens} output tokens, {os.cpu_count()} cores"
+    )
+    print(
+        "| path | streams | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    one = serve_rate(1, prompts, output_tokens)
+    three = serve_rate(3, prompts, output_tokens)
+    print(row("iwg serve, worldSize 1", streams, one, "1.00x (baseline)"))
+    print(
+        row(
+            "iwg serve, worldSize 3 (sharded)",
+            streams,
+            three,
+            f"{three.rate / one.rate:.2f}x of worldSize 1 (the all-reduces' and broadcast's cost per step)",
+        )
+    )
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -8,7 +8,9 @@ through the driver for the whole run. Faults, one at a time, each on a group ser
 
 - SIGKILL of a worker (restartPolicy Pod): the process dies; the kubelet and the prober see it.
 - SIGSTOP of a worker: a hang the process check cannot see; only the deep health check times out.
-- SIGKILL of one rank of a world-size-2 replica (restartPolicy Replica): both ranks are replaced.
+
+(A replica of several ranks holds its model sharded, which MiniLM's architecture does not allow: the rebuild of
+a SmolLM2 replica of worldSize 3 after SIGKILL of rank 1 is timed by tests/e2e/test_selfheal.py.)
 
 Per fault: detected = fault until the operator deleted the pod(s); serving again = fault until the
 replacement is ready and the group reports every replica ready; failed requests during the episode. The
@@ -30,7 +32,6 @@ import yaml
 from tests.e2e.harness import (
     Load,
     await_replacement,
-    eventually,
     group_manifest,
     live_ready_workers,
     signal_worker,
@@ -109,18 +110,6 @@ def main() -> int:
         for fault, label in ((signal.SIGKILL, "SIGKILL worker"), (signal.SIGSTOP, "SIGSTOP worker (hang)")):
             rows.append(episode(stack, "single", address, 2, fault, label, args.clients, rank=0))
             print(f"{label}: done", file=sys.stderr)
-        stack.groups.delete("single")
-        eventually(lambda: not stack.groups.live_pods("single"), 60, "the first group's pods to go")
-
-        address, cold = start_group(
-            stack, "tp", replicas=2, worldSize=2, health={**HEALTH, "restartPolicy": "Replica"}
-        )
-        colds.append(cold)
-        rows.append(
-            episode(
-                stack, "tp", address, 2, signal.SIGKILL, "SIGKILL rank 1 of 2 (Replica)", args.clients, rank=1
-            )
-        )
 
     baseline = min(colds)
     print(

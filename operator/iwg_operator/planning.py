@@ -43,6 +43,9 @@ class ObservedPod:
     restarts: int = 0  # container restarts the kubelet made (the health prober counts a restart as a failure)
     created: str | None = None  # creationTimestamp (RFC 3339)
     seen_by_scheduler: bool = False  # a scheduler wrote its PodScheduled condition (bound or not)
+    failure: str | None = (
+        None  # why its worker last ended with an error (the container's termination message)
+    )
 
 
 def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
@@ -78,7 +81,25 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
         created=metadata.get("creationTimestamp"),
         seen_by_scheduler="PodScheduled" in conditions,
+        failure=termination_failure(status.get("containerStatuses") or []),
     )
+
+
+FAILURE_MESSAGE_CHARS = 1024
+
+
+def termination_failure(container_statuses: list[Mapping[str, Any]]) -> str | None:
+    """The last line of the termination message of a container that ended with an error (now, else last
+    time), where the worker writes the reason; None when no container failed."""
+    for container in container_statuses:
+        for key in ("state", "lastState"):
+            terminated = (container.get(key) or {}).get("terminated") or {}
+            if terminated and terminated.get("exitCode") not in (0, None):
+                lines = [line.strip() for line in str(terminated.get("message") or "").splitlines()]
+                last = next((line for line in reversed(lines) if line), "")
+                code = terminated.get("exitCode")
+                return last[:FAILURE_MESSAGE_CHARS] or f"exited with code {code}"
+    return None
 
 
 @dataclass(frozen=True)

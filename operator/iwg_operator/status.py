@@ -139,12 +139,16 @@ def group_status(
     waiting = unbound(pods)
     ignored = not_picked_up(pods, now, scheduling_timeout) if waiting else []
     failed_pods = [p for p in pods if p.phase == "Failed"]
+    # Workers that ended with an error and are not serving: why (a start that failed names its cause).
+    worker_failures = sorted(
+        (p.name, p.failure) for p in pods if p.failure is not None and not p.ready and not p.terminating
+    )
     settled = plan.empty and not plan.waiting_for_termination and updated == desired.replicas
     before = previous_conditions(previous)
 
     if failure is not None:
         phase = "Failed" if ready == 0 else "Degraded"
-    elif unschedulable or ignored or failed_pods:
+    elif unschedulable or ignored or failed_pods or worker_failures:
         phase = "Pending" if ready == 0 else "Degraded"
     elif ready == desired.replicas and settled:
         phase = "Running"
@@ -182,6 +186,7 @@ def group_status(
         degraded_reasons.append(f"{len(failed_pods)} pod(s) failed")
     if failure is not None:
         degraded_reasons.append(failure)
+    degraded_reasons.extend(f"worker {name} failed: {why}" for name, why in worker_failures)
     conditions.append(
         condition(
             DEGRADED,
@@ -190,7 +195,11 @@ def group_status(
             if unschedulable
             else "NotScheduled"
             if ignored
-            else ("PodsFailed" if failed_pods else ("ReconcileFailed" if failure else "Healthy")),
+            else (
+                "PodsFailed"
+                if failed_pods
+                else ("ReconcileFailed" if failure else ("WorkerFailed" if worker_failures else "Healthy"))
+            ),
             "; ".join(degraded_reasons) or "no problems",
             generation,
             before,

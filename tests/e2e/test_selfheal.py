@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from tests.e2e.harness import (
     eventually,
     group_manifest,
     live_ready_workers,
+    openai_client,
     signal_worker,
     wait_serving,
     worker_pods,
@@ -86,24 +88,84 @@ def test_a_killed_or_hung_worker_is_replaced_under_load_without_failed_requests(
     assert (groups.get(name).get("status") or {}).get("restartCount", 0) >= 1
 
 
-def test_world_size_two_replica_policy_replaces_both_ranks(
+def true_condition(groups: Groups, name: str, kind: str, reason: str | None = None) -> dict[str, Any] | None:
+    """The group's condition of type ``kind`` when it is True (and has ``reason``, when given)."""
+    for condition in (groups.get(name).get("status") or {}).get("conditions") or []:
+        wanted = reason is None or condition["reason"] == reason
+        if condition["type"] == kind and condition["status"] == "True" and wanted:
+            return dict(condition)
+    return None
+
+
+def smollm2_manifest(name: str, world_size: int, health: dict[str, Any]) -> dict[str, Any]:
+    """examples/smollm2.yaml with the converted (fast-loading) SmolLM2 directory, ``world_size`` ranks."""
+    import yaml
+
+    from tests.models import smollm2_dir
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "smollm2.yaml"
+    manifest: dict[str, Any] = yaml.safe_load(example.read_text())
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec["model"] = {**spec["model"], "path": str(smollm2_dir()), "kvCache": {"blocks": 64}}
+    spec["worldSize"] = world_size
+    spec["worker"] = {**spec["worker"], "cpu": "500m", "memory": "2Gi"}
+    spec["health"] = health
+    return manifest
+
+
+def ask_france(address: str) -> str:
+    answer = openai_client(address).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    return str(answer.choices[0].message.content)
+
+
+def test_world_size_three_shards_smollm2_and_the_replica_policy_rebuilds_all_ranks(
     node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
 ) -> None:
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "tp"
     health = {**FAST_HEALTH, "restartPolicy": "Replica"}
-    create(control_plane, workspace, group_manifest(name, replicas=1, worldSize=2, health=health))
-    wait_serving(groups, core, node_agent, name, replicas=1)
+    create(control_plane, workspace, smollm2_manifest(name, 3, health))
+    address = wait_serving(groups, core, node_agent, name, replicas=1, timeout=400)
+    assert "Paris" in ask_france(address)
     time.sleep(PERIOD * 2)
     ranks = live_ready_workers(core, workspace, name)
-    assert sorted(p.metadata.name for p in ranks) == ["tp-r0-w0", "tp-r0-w1"]
+    assert sorted(p.metadata.name for p in ranks) == ["tp-r0-w0", "tp-r0-w1", "tp-r0-w2"]
     started = time.monotonic()
     signal_worker(ranks[1], signal.SIGKILL)
-    recovery = await_replacement(core, groups, name, ranks, started, replicas=1)
+    recovery = await_replacement(core, groups, name, ranks, started, replicas=1, timeout=400)
     print(
-        f"world size 2: both ranks replaced, detected {recovery.detected_s:.2f}s, ready {recovery.ready_s:.2f}s"
+        f"world size 3: all ranks replaced, detected {recovery.detected_s:.2f}s, ready {recovery.ready_s:.2f}s"
     )
-    assert recovery.replaced == ["tp-r0-w0", "tp-r0-w1"]
+    assert recovery.replaced == ["tp-r0-w0", "tp-r0-w1", "tp-r0-w2"]
+    # The rebuilt replica answers (the driver may take a heartbeat to see its ranks back).
+    answer = eventually(
+        lambda: ask_france(address), 120, "an answer from the rebuilt replica", 1.0, (Exception,)
+    )
+    assert "Paris" in answer
+
+
+def test_a_model_that_cannot_be_sharded_is_refused_with_a_condition_naming_it(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups = Groups(k8s, workspace)
+    name = "tp2"
+    create(control_plane, workspace, smollm2_manifest(name, 2, FAST_HEALTH))
+
+    condition = eventually(
+        lambda: true_condition(groups, name, "Degraded", "WorkerFailed"),
+        240,
+        "the Degraded condition naming the refusal",
+    )
+    message = condition["message"]
+    assert "worldSize 2 cannot shard architecture LlamaForCausalLM" in message, message
+    assert "9 attention heads, 3 key/value heads" in message and "1, 3" in message, message
+    assert (groups.get(name).get("status") or {}).get("readyReplicas", 0) == 0
 
 
 def test_an_always_crashing_worker_stops_after_the_restart_budget(
@@ -116,13 +178,11 @@ def test_an_always_crashing_worker_stops_after_the_restart_budget(
     manifest["spec"]["model"]["path"] = "/nonexistent/model"
     create(control_plane, workspace, manifest)
 
-    def exhausted() -> dict[str, Any] | None:
-        for condition in (groups.get(name).get("status") or {}).get("conditions") or []:
-            if condition["type"] == "RestartBudgetExhausted" and condition["status"] == "True":
-                return dict(condition)
-        return None
-
-    condition = eventually(exhausted, 240, "the RestartBudgetExhausted condition")
+    condition = eventually(
+        lambda: true_condition(groups, name, "RestartBudgetExhausted"),
+        240,
+        "the RestartBudgetExhausted condition",
+    )
     assert "spec.health.maxRestarts=2" in condition["message"]
     assert "crashy-r0-w0" in condition["message"]
     assert groups.get(name)["status"]["restartCount"] == 2

@@ -39,6 +39,8 @@ def test_worker_pod_identity_and_wiring() -> None:
     assert env[wiring.MASTER_ADDR] == "g-r1-w0.g-workers.ns.svc.cluster.local"
     assert env[wiring.RANK] == env[wiring.TORCH_RANK] == "2"
     assert env[wiring.WORLD_SIZE] == env[wiring.TORCH_WORLD_SIZE] == "4"
+    # One rank per pod: the first of the pod's own GPUs.
+    assert env[wiring.LOCAL_RANK] == "0"
     assert env[wiring.RPC_ENDPOINT] == f"tcp://g-driver.ns.svc.cluster.local:{wiring.DEFAULT_RPC_PORT}"
     assert env[wiring.RESPONSE_ENDPOINT].endswith(f":{wiring.DEFAULT_RESPONSE_PORT}")
     assert env[wiring.POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -51,7 +53,7 @@ def test_every_wiring_name_for_workers_is_written() -> None:
         wiring.GROUP, wiring.NAMESPACE, wiring.REPLICA, wiring.RANK, wiring.WORLD_SIZE, wiring.POD_NAME,
         wiring.POD_IP, wiring.RPC_ENDPOINT, wiring.RESPONSE_ENDPOINT, wiring.CURVE_DIR, wiring.HEALTH_PORT,
         wiring.MASTER_ADDR, wiring.MASTER_PORT, wiring.TORCH_RANK, wiring.TORCH_WORLD_SIZE, wiring.MODEL_TASK,
-        wiring.MODEL_PATH, wiring.SERVED_NAME, wiring.DTYPE, wiring.DEVICE,
+        wiring.MODEL_PATH, wiring.SERVED_NAME, wiring.DTYPE, wiring.DEVICE, wiring.LOCAL_RANK,
     }  # fmt: skip
     assert expected <= names
 

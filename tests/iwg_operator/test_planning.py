@@ -155,6 +155,54 @@ def test_driver_available_condition_follows_the_driver_pods() -> None:
     assert observe_driver_pod({"metadata": {"labels": {}}}) is None
 
 
+REFUSAL = (
+    "iwg_worker.models.sharding.ShardingRefused: worldSize 2 cannot shard architecture LlamaForCausalLM: it has "
+    "9 attention heads, 3 key/value heads, MLP intermediate size 1536, and each must divide evenly across the "
+    "ranks; world sizes that divide them all: 1, 3"
+)
+
+
+def test_observe_pod_reads_why_its_worker_ended_with_an_error() -> None:
+    def body(**container: object) -> dict[str, object]:
+        labels_ = {
+            "inference.iwg.dev/group": "g",
+            "inference.iwg.dev/replica": "0",
+            "inference.iwg.dev/rank": "1",
+        }
+        return {
+            "metadata": {"name": "g-r0-w1", "labels": labels_},
+            "status": {"containerStatuses": [container]},
+        }
+
+    log_tail = f"Traceback (most recent call last):\n  ...\n{REFUSAL}\nworker failed to start: {REFUSAL}\n\n"
+    crashed = body(
+        state={"waiting": {"reason": "CrashLoopBackOff"}},
+        lastState={"terminated": {"exitCode": 1, "message": log_tail}},
+    )
+    observed = observe_pod(crashed)
+    assert observed is not None and observed.failure == f"worker failed to start: {REFUSAL}"
+    silent = body(state={"terminated": {"exitCode": 137}})
+    assert observe_pod(silent).failure == "exited with code 137"  # type: ignore[union-attr]
+    done = body(state={"running": {}}, lastState={"terminated": {"exitCode": 0, "message": "bye"}})
+    assert observe_pod(done).failure is None  # type: ignore[union-attr]
+
+
+def test_status_names_why_workers_failed() -> None:
+    desired = Desired(1, 2, REV, 1)
+    why = f"worker failed to start: {REFUSAL}"
+    pods = [pod(0, 0, ready=False, failure=why), pod(0, 1, ready=False, failure=why)]
+    result = status.group_status("g", 1, desired, pods, plan_pods(desired, pods), None, "t")
+    degraded = {c["type"]: c for c in result["conditions"]}["Degraded"]
+    assert result["phase"] == "Pending"
+    assert (degraded["status"], degraded["reason"]) == ("True", "WorkerFailed")
+    assert f"worker g-r0-w0 failed: {why}" in degraded["message"]
+    assert "LlamaForCausalLM" in degraded["message"] and "9 attention heads" in degraded["message"]
+    # Serving again, an old failure is no longer the group's problem.
+    healthy = [pod(0, 0, failure=why), pod(0, 1, failure=why)]
+    result = status.group_status("g", 1, desired, healthy, plan_pods(desired, healthy), None, "t")
+    assert {c["type"]: c for c in result["conditions"]}["Degraded"]["status"] == "False"
+
+
 def test_status_reports_unschedulable_with_the_scheduler_message() -> None:
     desired = Desired(1, 1, REV, 1)
     pods = [pod(0, 0, ready=False, unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")]

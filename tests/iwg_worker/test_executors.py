@@ -1,9 +1,11 @@
 """Executors against real worker processes, real ZMQ (ipc and tcp+CURVE), real torch and MiniLM weights.
 
-Two groups are started once for the module: a Multiproc group (one replica of two ranks over ipc, joined by
-torch.distributed/gloo) and a Cluster group (two one-rank replicas over tcp with CURVE, launched as
-``iwg-worker`` processes from the wiring-contract environment, as pods would be). The test that kills a
-worker uses the cluster's replica 1; replica 0 keeps serving throughout.
+Three groups are started once for the module: a Multiproc group of one replica of two ranks over ipc, joined by
+torch.distributed/gloo, that serves RPC only (two ranks serve a model only sharded, and MiniLM's architecture
+has no tensor-parallel plan: tests/iwg_worker/engine/test_tensor_parallel.py shards SmolLM2 three ways); a
+one-rank Multiproc group serving MiniLM; and a Cluster group (two one-rank replicas over tcp with CURVE,
+launched as ``iwg-worker`` processes from the wiring-contract environment, as pods would be). The test that
+kills a worker uses the cluster's replica 1; replica 0 keeps serving throughout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from iwg_worker import protocol
-from iwg_worker.distributed import unsharded_reference
+from iwg_worker.distributed import reference_weights, unsharded_reference
 from iwg_worker.executor import MembershipEvent, ReplicaLostError, RPCError, RPCTimeoutError
 from iwg_worker.executor.cluster import ClusterExecutor
 from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker, worker_env
@@ -40,12 +42,24 @@ HEARTBEAT_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def multiproc(minilm_path: str, cluster_launched: Cluster) -> Iterator[MultiprocExecutor]:
-    # Depends on cluster_launched only so that both groups start at once (startup is most of the time).
+def multiproc(cluster_launched: Cluster) -> Iterator[MultiprocExecutor]:
+    # Depends on cluster_launched only so that the groups start at once (startup is most of the time).
     executor = MultiprocExecutor(
-        WorkerConfig(task="embed", model_path=minilm_path, device="cpu", group="mp"),
+        WorkerConfig(task="none", device="cpu", group="mp"),
         replicas=1,
         world_size=2,
+        worker_extension_cls=EXT,
+        heartbeat_interval_s=HEARTBEAT_S,
+        startup_timeout_s=600,
+    )
+    yield executor
+    executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def multiproc_embed(minilm_path: str, cluster_launched: Cluster) -> Iterator[MultiprocExecutor]:
+    executor = MultiprocExecutor(
+        WorkerConfig(task="embed", model_path=minilm_path, device="cpu", group="mpe"),
         worker_extension_cls=EXT,
         heartbeat_interval_s=HEARTBEAT_S,
         startup_timeout_s=600,
@@ -125,7 +139,7 @@ def cluster(cluster_launched: Cluster) -> Cluster:
 
 
 def test_same_batch_same_output_through_uniproc_multiproc_and_cluster(
-    minilm_path: str, multiproc: MultiprocExecutor, cluster: Cluster
+    minilm_path: str, multiproc_embed: MultiprocExecutor, cluster: Cluster
 ) -> None:
     batch = {"inputs": SENTENCES}
     uniproc = UniProcExecutor(WorkerConfig(task="embed", model_path=minilm_path, device="cpu"))
@@ -133,7 +147,7 @@ def test_same_batch_same_output_through_uniproc_multiproc_and_cluster(
         local = uniproc.execute_model(batch)["embeddings"]
     finally:
         uniproc.shutdown()
-    through_multiproc = multiproc.execute_model(batch)["embeddings"]
+    through_multiproc = multiproc_embed.execute_model(batch)["embeddings"]
     through_cluster = cluster.executor.execute_model(batch, replica=0)["embeddings"]
     assert local.shape == (len(SENTENCES), 384)
     assert torch.equal(local, through_multiproc)
@@ -147,7 +161,15 @@ def test_tensor_parallel_reference_equals_unsharded(multiproc: MultiprocExecutor
     assert len(per_rank) == 2
     for result in per_rank:
         assert torch.allclose(result, expected, rtol=1e-12, atol=1e-12)
-    # The halves alone differ from the whole: the all-reduce did the work.
+    # Each half alone differs from the whole, and the two halves make it up: each rank held a shard, and the
+    # all-reduce did the work.
+    halves = multiproc.collective_rpc(
+        "tp_reference", (x,), {"seed": 5, "hidden": 16, "reduce": False}, timeout=60
+    )
+    for half in halves:
+        assert (half - expected).abs().max() > 1e-3
+    bias = reference_weights(5, x.shape[-1], 16)[3]
+    assert torch.allclose(halves[0] + halves[1] - bias, expected, rtol=1e-12, atol=1e-12)
     assert [r["distributed"] for r in multiproc.check_health()] == ["gloo", "gloo"]
 
 
@@ -155,16 +177,19 @@ def test_tensor_parallel_reference_equals_unsharded(multiproc: MultiprocExecutor
 
 
 def test_exception_in_execute_model_carries_the_worker_traceback_and_next_call_succeeds(
-    multiproc: MultiprocExecutor,
+    multiproc_embed: MultiprocExecutor,
 ) -> None:
     with pytest.raises(RPCError) as info:
-        multiproc.execute_model({"inputs": 5}, timeout=30)
+        multiproc_embed.execute_model({"inputs": 5}, timeout=30)
     error = info.value
     assert error.method == "execute_model" and error.remote_type == "TypeError"
     assert "'inputs'" in error.remote_message
     assert "Traceback" in error.remote_traceback and "embed.py" in error.remote_traceback
     assert "worker traceback" in str(error)
-    assert multiproc.execute_model({"inputs": ["still serving"]}, timeout=30)["embeddings"].shape == (1, 384)
+    assert multiproc_embed.execute_model({"inputs": ["still serving"]}, timeout=30)["embeddings"].shape == (
+        1,
+        384,
+    )
 
 
 def test_unknown_method_error_names_it(multiproc: MultiprocExecutor) -> None:

@@ -205,6 +205,8 @@ class ContainerRunner:
             }
             if code < 0:
                 terminated["signal"] = -code
+            if code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+                terminated["message"] = self._log_tail()  # as the kubelet: the end of the container's log
             restart = policy == "Always" or (policy == "OnFailure" and code != 0)
             if not restart:
                 self.state = {"terminated": terminated}
@@ -220,6 +222,19 @@ class ContainerRunner:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.pod.agent.config.max_restart_backoff_s)
 
+    def _log_tail(self, max_lines: int = 80, max_bytes: int = 2048) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - max_bytes))
+                tail = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(tail.splitlines()[-max_lines:])
+
+    @property
+    def log_path(self) -> Path:
+        return self.pod.agent.logs / f"{self.pod.key.replace('/', '_')}_{self.plan.name}.log"
+
     async def _spawn(self) -> asyncio.subprocess.Process:
         plan_file = self.pod.dir / f"{self.plan.name}.plan.json"
         plan_file.write_text(
@@ -234,8 +249,7 @@ class ContainerRunner:
                 }
             )
         )
-        log_path = self.pod.agent.logs / f"{self.pod.key.replace('/', '_')}_{self.plan.name}.log"
-        with log_path.open("ab") as out:
+        with self.log_path.open("ab") as out:
             out.write(f"--- {now()} start #{self.restart_count}: {' '.join(self.plan.argv)}\n".encode())
             out.flush()
             return await asyncio.create_subprocess_exec(

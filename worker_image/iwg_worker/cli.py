@@ -92,6 +92,10 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    refusal = _sharding_refusal(model_path, group.spec.world_size)
+    if refusal is not None:
+        print(f"iwg serve: spec.worldSize: {refusal}", file=sys.stderr)
+        return 2
     replicas = group.spec.replicas if args.replicas is None else args.replicas
     if replicas < 1:
         print("iwg serve: needs at least one replica (spec.replicas or --replicas)", file=sys.stderr)
@@ -119,6 +123,20 @@ def serve(args: argparse.Namespace) -> int:
         executor.shutdown()
     print("iwg serve: stopped", file=sys.stderr)
     return 0
+
+
+def _sharding_refusal(model_path: Path, world_size: int) -> str | None:
+    """Why the model cannot be sharded ``world_size`` ways (read from its configuration, before any worker
+    starts), or None."""
+    if world_size <= 1:
+        return None
+    from iwg_worker.models.sharding import ShardingRefused, check_shardable, load_config
+
+    try:
+        check_shardable(load_config(model_path, local_files_only=True), world_size)
+    except ShardingRefused as exc:
+        return str(exc)
+    return None
 
 
 def _admin_token(path: Path | None) -> str | None:

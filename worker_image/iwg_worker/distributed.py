@@ -2,7 +2,8 @@
 
 Ranks rendezvous at ``MASTER_ADDR:MASTER_PORT`` (rank 0's address), gloo on CPU and nccl on CUDA.
 `TensorParallelMLP` splits a two-layer MLP across ranks (first layer by output rows, second by input
-columns, one all-reduce): the sharded result equals the unsharded one, which the tests check.
+columns, one all-reduce): the sharded result equals the unsharded one and each shard alone does not, which
+the tests check. Models are sharded by transformers' own tensor-parallel loading (`iwg_worker.models.sharding`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ class Rendezvous:
             rank=int(env[wiring.TORCH_RANK]),
             world_size=int(env[wiring.TORCH_WORLD_SIZE]),
         )
+
+
+def cuda_index(environ: dict[str, str] | None = None, device_count: int | None = None) -> int:
+    """The CUDA device of this process: ``LOCAL_RANK`` (0 when unset), which must name a visible GPU."""
+    env = os.environ if environ is None else environ
+    count = torch.cuda.device_count() if device_count is None else device_count
+    raw = env.get(wiring.LOCAL_RANK) or "0"
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"{wiring.LOCAL_RANK} must be an integer, got {raw!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"{wiring.LOCAL_RANK}={index} names no GPU: this process sees {count}")
+    return index
 
 
 def backend_for(device: torch.device) -> str:
@@ -87,9 +102,10 @@ class TensorParallelMLP(torch.nn.Module):
         self.b2 = torch.nn.Parameter(full_b2.clone(), requires_grad=False)
         self.world_size = world_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The whole MLP's output; with ``reduce=False``, this rank's shard alone (no all-reduce)."""
         partial = torch.relu(x @ self.w1.T + self.b1) @ self.w2.T
-        if self.world_size > 1:
+        if reduce and self.world_size > 1:
             dist.all_reduce(partial, op=dist.ReduceOp.SUM)
         return partial + self.b2
 

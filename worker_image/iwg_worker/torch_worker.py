@@ -69,8 +69,7 @@ class TorchWorker(WorkerBase):
         if wanted == "cuda" and not cuda:
             raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device")
         if wanted == "cuda" or (wanted == "auto" and cuda):
-            index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
-            self.device = torch.device("cuda", index)
+            self.device = torch.device("cuda", distributed.cuda_index())
             torch.cuda.set_device(self.device)
             self.device_note = torch.cuda.get_device_name(self.device)
         else:
@@ -82,25 +81,46 @@ class TorchWorker(WorkerBase):
         else:
             self.dtype = _DTYPES[self.config.dtype]
         if self.config.world_size > 1:
+            self._refuse_unshardable()
             self.distributed_backend = distributed.init_distributed(
                 distributed.Rendezvous.from_env(), self.device
             )
 
+    def _refuse_unshardable(self) -> None:
+        """`ShardingRefused` (naming the architecture) for a model that cannot be sharded worldSize ways: read
+        from its configuration before the ranks meet and before any weight is read."""
+        if self.config.task == "none":
+            return
+        from iwg_worker.models.loading import model_source
+        from iwg_worker.models.sharding import check_shardable, load_config
+
+        source = model_source(self.config.model_path)
+        check_shardable(load_config(source.directory, **source.pretrained_kwargs()), self.config.world_size)
+
     def load_model(self) -> None:
+        """Load this rank's part of the model: all of it with worldSize 1, else a 1/worldSize shard (tensor
+        parallel over the replica's process group; `init_device` has refused a model that cannot be sharded)."""
         device = self._require_device()
+        world_size = self.config.world_size
         if self.config.task == "embed":
             from iwg_worker.models.embed import EmbeddingModel
 
             self.model = EmbeddingModel(
-                self.config.model_path, device, self.dtype, self.config.max_seq_length
+                self.config.model_path, device, self.dtype, self.config.max_seq_length, world_size
             )
         elif self.config.task == "generate":
             from iwg_worker.engine.engine import EngineConfig, GenerationEngine
             from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
+            from iwg_worker.models.sharding import distributed_kwargs
 
             source = model_source(self.config.model_path)
             # transformers' continuous batching reads the KV cache through its paged attention.
-            model = load_causal_lm(source, self.dtype, attn_implementation="sdpa").to(device).eval()
+            model = load_causal_lm(
+                source, self.dtype, attn_implementation="sdpa", **distributed_kwargs(world_size)
+            )
+            if world_size == 1:
+                model = model.to(device)  # sharded, transformers has placed each rank's part already
+            model = model.eval()
             tokenizer = load_tokenizer(source) if source.has_tokenizer else None
             engine_config = EngineConfig(
                 num_blocks=self.config.kv_cache_blocks,
@@ -169,14 +189,15 @@ class TorchWorker(WorkerBase):
 
     # -- public methods callable by name --------------------------------------------------------------
 
-    def tp_reference(self, x: torch.Tensor, seed: int, hidden: int) -> torch.Tensor:
-        """Run the tensor-parallel reference MLP on this replica's ranks (all ranks must be called)."""
+    def tp_reference(self, x: torch.Tensor, seed: int, hidden: int, reduce: bool = True) -> torch.Tensor:
+        """Run the tensor-parallel reference MLP on this replica's ranks (all ranks must be called);
+        ``reduce=False``: this rank's shard alone, without the all-reduce."""
         device = self._require_device()
         w1, b1, w2, b2 = distributed.reference_weights(seed, x.shape[-1], hidden)
         module = distributed.TensorParallelMLP(w1, b1, w2, b2, self.config.rank, self.config.world_size).to(
             device
         )
-        result: torch.Tensor = module(x.double().to(device)).cpu()
+        result: torch.Tensor = module(x.double().to(device), reduce=reduce).cpu()
         return result
 
     def engine_add(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,7 +228,15 @@ class TorchWorker(WorkerBase):
             "world_size": self.config.world_size,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "parameter_bytes": self._parameter_bytes(),
         }
+
+    def _parameter_bytes(self) -> int | None:
+        """Bytes of the weights this rank holds (1/worldSize of the model when sharded)."""
+        from iwg_worker.models.sharding import local_parameter_bytes
+
+        module = getattr(self.model, "model", None)
+        return local_parameter_bytes(module) if isinstance(module, torch.nn.Module) else None
 
     # -- internals ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ going out introduce the worker to the driver that comes up there, and its first 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -567,6 +568,13 @@ class WorkerProc:
         log.info("worker replica %d rank %d stopped: %s", self.replica, self.rank, reason)
 
 
+def _write_termination_message(message: str, path: str = wiring.TERMINATION_MESSAGE_PATH) -> None:
+    """Where the kubelet reads why the container ended (it creates the file; elsewhere there is none)."""
+    if os.path.isfile(path):
+        with contextlib.suppress(OSError), open(path, "w") as out:
+            out.write(message[:4096])
+
+
 def _install_signal_handlers(proc: WorkerProc) -> None:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: finishing the in-flight call, then leaving", signum)
@@ -593,8 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_early.set())
     try:
         proc = WorkerProc(config)
-    except Exception:
+    except Exception as exc:
         log.exception("worker failed to start")
+        reason = f"{type(exc).__name__}: {exc}"
+        _write_termination_message(reason)
+        # The last line of the log is the reason: the pod's FallbackToLogsOnError message ends with it.
+        log.error("worker failed to start: %s", reason)
         return 1
     _install_signal_handlers(proc)
     if stop_early.is_set():

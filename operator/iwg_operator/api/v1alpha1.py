@@ -862,7 +862,16 @@ class InferenceWorkerGroupSpec(ApiModel):
         default=1,
         ge=1,
         le=MAX_WORLD_SIZE,
-        description="Ranks (pods) per replica for tensor/pipeline parallelism.",
+        description=(
+            "Ranks (pods) per replica for tensor parallelism: a replica's ranks hold one model sharded between "
+            "them by transformers' tensor-parallel plan for its architecture (attention and MLP projections "
+            "split across the ranks, gloo on CPU, nccl on CUDA), each about 1/worldSize of the weights; every "
+            "rank runs every step of the replica's engine and rank 0 answers. A model whose architecture has "
+            "no tensor-parallel plan (BERT, GPT-2), or whose attention heads, key/value heads or MLP "
+            "intermediate size worldSize does not divide, is refused when its workers start, before any "
+            "weight is read: the group's Degraded condition (reason WorkerFailed) names the architecture and "
+            "the reason. There is no pipeline parallelism."
+        ),
     )
     worker: WorkerSpec = Field(default_factory=WorkerSpec, description="Worker pods.")
     driver: DriverSpec = Field(default_factory=DriverSpec, description="The group's driver.")

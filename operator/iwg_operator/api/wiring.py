@@ -43,6 +43,11 @@ MASTER_ADDR: Final = "MASTER_ADDR"
 MASTER_PORT: Final = "MASTER_PORT"
 TORCH_RANK: Final = "RANK"
 TORCH_WORLD_SIZE: Final = "WORLD_SIZE"
+# Why a worker ended (a failed start names its cause, e.g. a model that cannot be sharded worldSize ways): the
+# kubelet reads it into the container's terminated state, which the operator shows on the group.
+TERMINATION_MESSAGE_PATH: Final = "/dev/termination-log"
+# Which of the GPUs this process sees is its own (the CUDA device index; transformers reads it too).
+LOCAL_RANK: Final = "LOCAL_RANK"
 DEFAULT_MASTER_PORT: Final = 29500
 
 # The model and the worker classes.

@@ -74,6 +74,9 @@ def worker_env(group: Group, replica: int, rank: int, settings: BuildSettings) -
         {"name": wiring.MASTER_PORT, "value": str(wiring.DEFAULT_MASTER_PORT)},
         {"name": wiring.TORCH_RANK, "value": str(rank)},
         {"name": wiring.TORCH_WORLD_SIZE, "value": str(spec.world_size)},
+        # One rank per pod: its GPUs (spec.worker.gpus, numbered from 0 inside the pod) are its own, and
+        # it runs on the first.
+        {"name": wiring.LOCAL_RANK, "value": "0"},
         *model_env(group),
         {"name": wiring.DEVICE, "value": spec.worker.device},
     ]
@@ -166,6 +169,9 @@ def worker_pod(
             "failureThreshold": health.failure_threshold,
         },
         "securityContext": restricted_container_security(),
+        # Why the worker ended: the message it wrote, else the end of its log (which ends with the reason).
+        "terminationMessagePath": wiring.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},

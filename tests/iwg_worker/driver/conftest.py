@@ -110,14 +110,18 @@ def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         assert code == 0, log.read_text(errors="replace")[-3000:]
 
 
-def start_smollm2(tmp: Path, env: dict[str, str], kv_blocks: int | None = None) -> Served:
+def start_smollm2(
+    tmp: Path, env: dict[str, str], kv_blocks: int | None = None, world_size: int = 1
+) -> Served:
     """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory;
     returns once it is ready. The caller stops it (`stop(served.process)`)."""
     import yaml
 
     from tests.models import smollm2_manifest
 
-    (tmp / "group.yaml").write_text(yaml.safe_dump(smollm2_manifest(kv_blocks)))
+    manifest = smollm2_manifest(kv_blocks)
+    manifest["spec"]["worldSize"] = world_size
+    (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
     port = free_port()
     log = tmp / "serve.log"
     with open(log, "wb") as out:

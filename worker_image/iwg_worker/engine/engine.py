@@ -11,6 +11,12 @@ offloaded and resumed later. This class adds what serving needs around it:
   worker's output path sends it as one ``stream`` message), with stop strings found while decoding;
 - cancelling a request frees its cache blocks at the next step;
 - the counts a scheduler and an autoscaler read: running, waiting, KV-cache usage.
+
+Sharded over a replica's ranks (tensor parallel), the engine runs on every rank and every step runs on all of
+them together: transformers' engine makes the replica's rank 0 its driver, which alone admits and cancels
+requests; at each step it sends the new requests and cancellations to the other ranks (over a gloo group of
+the replica), and all ranks schedule the same batch. Only rank 0 has streams: the other ranks' `add` and
+`cancel` do nothing, and their outputs go nowhere.
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ class GenerationEngine:
         self.manager: Any = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=self.cb_config
         )
+        # On the other ranks of a sharded replica nobody reads the logprobs: they are not kept there.
+        self.sampler.keep_logprobs = self.is_driver
         self.manager.logit_processor = sampler_list(self.sampler)
         self.manager.output_router = _StepOutputs(self)
         self.manager.start()
@@ -149,12 +157,20 @@ class GenerationEngine:
             return str(token)
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank admits requests (always with one rank; rank 0 of a sharded replica)."""
+        return bool(self.manager.is_tp_driver)
+
     def add(self, raw_requests: Any) -> list[dict[str, Any]]:
         """Admit requests; one answer each, in order: ``{id, ok: true, prompt_tokens}`` (and ``prompt_text``,
         the prompt decoded, when the request asks for ``echo``) or ``{id, ok: false, error: {param, message,
-        code}}``. A refused request never reaches the engine."""
+        code}}``. A refused request never reaches the engine. On a rank other than a sharded replica's rank 0:
+        nothing (the requests reach this rank from rank 0 at the next step)."""
         if not isinstance(raw_requests, list):
             raise TypeError("engine_add takes a list of request maps")
+        if not self.is_driver:
+            return []
         answers: list[dict[str, Any]] = []
         tokenize = self._tokenize if self.tokenizer is not None else None
         render_chat = self._render_chat if getattr(self.tokenizer, "chat_template", None) else None

@@ -45,6 +45,7 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
         self._rows: list[tuple[str, SamplingParams, int]] = []
         self._lock = threading.Lock()
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.keep_logprobs = True
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.zero_()
@@ -67,7 +68,7 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
         logits = scores[:n].float()
         chosen = torch.argmax(logits, dim=-1)
         log_probs: torch.Tensor | None = None
-        if any(p.logprobs or p.top_logprobs for _, p, _ in rows[:n]):
+        if self.keep_logprobs and any(p.logprobs or p.top_logprobs for _, p, _ in rows[:n]):
             log_probs = torch.log_softmax(logits, dim=-1)
         for i, (_request_id, params, position) in enumerate(rows[:n]):
             if not params.greedy:

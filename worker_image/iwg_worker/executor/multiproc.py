@@ -12,6 +12,7 @@ take a new member), after a backoff that doubles with each failure in a row.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -95,6 +96,26 @@ def worker_env(
     return env
 
 
+def local_rank(replica: int, rank: int, world_size: int, gpus: int) -> int:
+    """``LOCAL_RANK`` of a rank among the processes of one machine that sees ``gpus`` GPUs: the index of its
+    GPU, the ranks of every replica on GPUs of their own (replicas go round the GPUs when there are more
+    ranks than GPUs; a replica's ranks never share one). Without GPUs, the rank itself."""
+    if gpus <= 0:
+        return rank
+    if gpus < world_size:
+        raise ValueError(
+            f"worldSize {world_size} needs a GPU for each rank of a replica; this machine has {gpus} "
+            "(or set spec.worker.device: cpu)"
+        )
+    return (replica * world_size + rank) % gpus
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def launch_worker(env: dict[str, str], log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """Start ``iwg-worker`` (as ``python -m iwg_worker.worker_proc``) with the contract env on top of ours."""
     full_env = {**os.environ, **env}
@@ -161,6 +182,8 @@ class MultiprocExecutor(RemoteExecutor):
         self._worker_cls = worker_cls
         self._worker_extension_cls = worker_extension_cls
         self._extra_env = dict(extra_env or {})
+        # The GPUs the ranks spread over (LOCAL_RANK), none when the workers run on the CPU.
+        self._gpus = 0 if config.device == "cpu" else _visible_gpus()
         # Polling only pays while every worker and the caller have a core of their own; else it takes the
         # core from the process it waits for.
         spare_cores = (os.cpu_count() or 1) > replicas * world_size
@@ -205,17 +228,8 @@ class MultiprocExecutor(RemoteExecutor):
         master_port = free_port() if self.world_size > 1 else None
         config = self._config
         for rank in range(self.world_size):
-            rank_config = WorkerConfig(
-                task=config.task,
-                model_path=config.model_path,
-                served_name=config.served_name,
-                device=config.device,
-                dtype=config.dtype,
-                group=config.group,
-                replica=replica,
-                rank=rank,
-                world_size=self.world_size,
-            )
+            # All of the group's settings (the KV cache's size too); this process's place in it.
+            rank_config = dataclasses.replace(config, replica=replica, rank=rank, world_size=self.world_size)
             env = worker_env(
                 rank_config,
                 self.rpc_endpoint,
@@ -226,6 +240,7 @@ class MultiprocExecutor(RemoteExecutor):
                 master_addr="127.0.0.1" if self.world_size > 1 else None,
                 master_port=master_port,
             )
+            env[wiring.LOCAL_RANK] = str(local_rank(replica, rank, self.world_size, self._gpus))
             env.update(self._extra_env)
             if self._ring is not None:
                 reader = self._reader(replica, rank)

@@ -15,17 +15,26 @@ import torch
 
 class EmbeddingModel:
     def __init__(
-        self, path: str, device: torch.device, dtype: torch.dtype, max_seq_length: int | None = None
+        self,
+        path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seq_length: int | None = None,
+        world_size: int = 1,
     ) -> None:
         from transformers import AutoModel, AutoTokenizer
+
+        from iwg_worker.models.sharding import distributed_kwargs
 
         root = Path(path)
         if not (root / "config.json").is_file():
             raise ValueError(f"model_path {path!r} is not a Hugging Face model directory (no config.json)")
         self.device = device
         self.tokenizer: Any = AutoTokenizer.from_pretrained(root, local_files_only=True)
-        loaded: Any = AutoModel.from_pretrained(root, local_files_only=True, dtype=dtype)
-        self.model: Any = loaded.to(device).eval()
+        loaded: Any = AutoModel.from_pretrained(
+            root, local_files_only=True, dtype=dtype, **distributed_kwargs(world_size)
+        )
+        self.model: Any = (loaded.to(device) if world_size == 1 else loaded).eval()
         self.max_seq_length = (
             max_seq_length or _sentence_bert_max_length(root) or self.tokenizer.model_max_length
         )

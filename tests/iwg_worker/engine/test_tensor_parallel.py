@@ -1,0 +1,114 @@
+"""A replica of worldSize 3 holds SmolLM2 sharded three ways (tensor parallel over gloo, real weights, three
+worker processes) and answers as one rank would: greedy tokens equal worldSize 1's, log-probabilities within a
+stated tolerance, and each rank holds about a third of the weights."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from iwg_worker.engine.engine import GenerationEngine
+from iwg_worker.executor.multiproc import MultiprocExecutor
+from iwg_worker.models.sharding import local_parameter_bytes
+from iwg_worker.worker_base import WorkerConfig
+
+from tests.iwg_worker.engine.conftest import Collector, chat_ids
+from tests.iwg_worker.engine.test_engine import QUESTIONS
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+WORLD = 3
+MAX_TOKENS = 6
+TOP = 3
+# float32 on CPU: the sharded matmuls sum their three partial products in another order than the whole one.
+LOGPROB_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def sharded(smollm2: Path) -> Iterator[MultiprocExecutor]:
+    executor = MultiprocExecutor(
+        WorkerConfig(
+            task="generate",
+            model_path=str(smollm2),
+            device="cpu",
+            dtype="float32",
+            group="tp3",
+            kv_cache_blocks=64,
+        ),
+        replicas=1,
+        world_size=WORLD,
+        startup_timeout_s=600,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    yield executor
+    executor.shutdown()
+
+
+def requests(tokenizer: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": f"tp-{i}",
+            "prompt_ids": chat_ids(tokenizer, q),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": TOP,
+        }
+        for i, q in enumerate(QUESTIONS)
+    ]
+
+
+async def run_sharded(executor: MultiprocExecutor, batch: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    async def one(request: dict[str, Any]) -> list[Any]:
+        stream, answer = await executor.open_stream(request, replica=0, timeout=60)
+        assert answer["ok"], answer
+        return [item async for item in stream]
+
+    results = await asyncio.gather(*(one(r) for r in batch))
+    return {r["id"]: items for r, items in zip(batch, results, strict=True)}
+
+
+def test_world_size_3_answers_as_world_size_1(
+    sharded: MultiprocExecutor, engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+) -> None:
+    batch = requests(reference[1])
+    assert len(batch) == 16
+    got = asyncio.run(run_sharded(sharded, batch))
+    eng, collector = engine
+    assert all(a["ok"] for a in eng.add(batch))
+    collector.wait([r["id"] for r in batch])
+    worst = 0.0
+    for request in batch:
+        items = got[request["id"]]
+        tokens = [t for item in items for t in item["tokens"]]
+        assert tokens == collector.tokens(request["id"]), request["id"]
+        assert len(tokens) >= 1
+        logprobs = [v for item in items for v in item["logprobs"]]
+        top = [row for item in items for row in item["top_logprobs"]]
+        one = collector.items[request["id"]]
+        one_logprobs = [v for item in one for v in item["logprobs"]]
+        one_top = [row for item in one for row in item["top_logprobs"]]
+        assert len(logprobs) == len(one_logprobs) == len(tokens)
+        for value, expected in zip(logprobs, one_logprobs, strict=True):
+            worst = max(worst, abs(value - expected))
+        for row, expected_row in zip(top, one_top, strict=True):
+            assert [t for t, _ in row] == [t for t, _ in expected_row]
+            worst = max(worst, *(abs(a - b) for (_, a), (_, b) in zip(row, expected_row, strict=True)))
+    print(
+        f"worldSize {WORLD} vs 1: largest log-probability difference {worst:.2e} (tolerance {LOGPROB_TOLERANCE})"
+    )
+    assert worst <= LOGPROB_TOLERANCE
+
+
+def test_each_rank_holds_about_a_third_of_the_weights(
+    sharded: MultiprocExecutor, engine: tuple[GenerationEngine, Collector]
+) -> None:
+    whole = local_parameter_bytes(engine[0].model)
+    ranks = [d["parameter_bytes"] for d in sharded.collective_rpc("describe", timeout=60)]
+    print(f"parameter bytes: whole model {whole / 1e6:.0f} MB, ranks {[f'{b / 1e6:.0f} MB' for b in ranks]}")
+    assert len(ranks) == WORLD
+    for held in ranks:
+        assert whole / WORLD * 0.95 <= held <= whole / WORLD * 1.1, (held, whole)
