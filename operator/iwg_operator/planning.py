@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iwg_operator import labels
+from iwg_operator.api import wiring
 
 TERMINAL_PHASES = frozenset({"Failed", "Succeeded"})
 
@@ -89,16 +90,21 @@ FAILURE_MESSAGE_CHARS = 1024
 
 
 def termination_failure(container_statuses: list[Mapping[str, Any]]) -> str | None:
-    """The last line of the termination message of a container that ended with an error (now, else last
-    time), where the worker writes the reason; None when no container failed."""
+    """Why a container ended with an error (now, else last time): from its termination message (the worker's
+    own, or the end of its log), the last line that says why its start failed, else the last line; None when
+    no container failed."""
     for container in container_statuses:
         for key in ("state", "lastState"):
             terminated = (container.get(key) or {}).get("terminated") or {}
             if terminated and terminated.get("exitCode") not in (0, None):
                 lines = [line.strip() for line in str(terminated.get("message") or "").splitlines()]
-                last = next((line for line in reversed(lines) if line), "")
-                code = terminated.get("exitCode")
-                return last[:FAILURE_MESSAGE_CHARS] or f"exited with code {code}"
+                lines = [line for line in lines if line]
+                marked = [line for line in lines if wiring.START_FAILURE_PREFIX in line]
+                if marked:
+                    why = wiring.START_FAILURE_PREFIX + marked[-1].split(wiring.START_FAILURE_PREFIX, 1)[1]
+                else:
+                    why = lines[-1] if lines else f"exited with code {terminated.get('exitCode')}"
+                return why[:FAILURE_MESSAGE_CHARS]
     return None
 
 

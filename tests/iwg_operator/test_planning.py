@@ -174,7 +174,12 @@ def test_observe_pod_reads_why_its_worker_ended_with_an_error() -> None:
             "status": {"containerStatuses": [container]},
         }
 
-    log_tail = f"Traceback (most recent call last):\n  ...\n{REFUSAL}\nworker failed to start: {REFUSAL}\n\n"
+    # The end of the worker's log: the traceback, the reason, then whatever other threads still wrote.
+    log_tail = (
+        f"Traceback (most recent call last):\n  ...\n{REFUSAL}\n"
+        f"2026-12-03 12:00:00 ERROR iwg_worker.worker_proc [pid 7] worker failed to start: {REFUSAL}\n"
+        "Exception occurred during processing of request from ('10.0.0.1', 47174)\n\n"
+    )
     crashed = body(
         state={"waiting": {"reason": "CrashLoopBackOff"}},
         lastState={"terminated": {"exitCode": 1, "message": log_tail}},

@@ -603,10 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         proc = WorkerProc(config)
     except Exception as exc:
         log.exception("worker failed to start")
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = f"{wiring.START_FAILURE_PREFIX}{type(exc).__name__}: {exc}"
         _write_termination_message(reason)
-        # The last line of the log is the reason: the pod's FallbackToLogsOnError message ends with it.
-        log.error("worker failed to start: %s", reason)
+        # Also the log's last words: the pod's FallbackToLogsOnError message is the log's end.
+        log.error("%s", reason)
         return 1
     _install_signal_handlers(proc)
     if stop_early.is_set():

@@ -46,6 +46,8 @@ TORCH_WORLD_SIZE: Final = "WORLD_SIZE"
 # Why a worker ended (a failed start names its cause, e.g. a model that cannot be sharded worldSize ways): the
 # kubelet reads it into the container's terminated state, which the operator shows on the group.
 TERMINATION_MESSAGE_PATH: Final = "/dev/termination-log"
+# The line of the message (or of the log's end) that holds the reason.
+START_FAILURE_PREFIX: Final = "worker failed to start: "
 # Which of the GPUs this process sees is its own (the CUDA device index; transformers reads it too).
 LOCAL_RANK: Final = "LOCAL_RANK"
 DEFAULT_MASTER_PORT: Final = 29500
