@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from tests.e2e.harness import (
     worker_pods,
 )
 from tests.iwg_operator.conftest import Groups
+from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -97,17 +97,11 @@ def true_condition(groups: Groups, name: str, kind: str, reason: str | None = No
     return None
 
 
-def smollm2_manifest(name: str, world_size: int, health: dict[str, Any]) -> dict[str, Any]:
-    """examples/smollm2.yaml with the converted (fast-loading) SmolLM2 directory, ``world_size`` ranks."""
-    import yaml
-
-    from tests.models import smollm2_dir
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "smollm2.yaml"
-    manifest: dict[str, Any] = yaml.safe_load(example.read_text())
+def sharded_smollm2(name: str, world_size: int, health: dict[str, Any]) -> dict[str, Any]:
+    """The SmolLM2 example group (converted weights, a small KV cache) with ``world_size`` ranks."""
+    manifest = smollm2_manifest(kv_blocks=64)
     manifest["metadata"] = {"name": name}
     spec = manifest["spec"]
-    spec["model"] = {**spec["model"], "path": str(smollm2_dir()), "kvCache": {"blocks": 64}}
     spec["worldSize"] = world_size
     spec["worker"] = {**spec["worker"], "cpu": "500m", "memory": "2Gi"}
     spec["health"] = health
@@ -130,7 +124,7 @@ def test_world_size_three_shards_smollm2_and_the_replica_policy_rebuilds_all_ran
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "tp"
     health = {**FAST_HEALTH, "restartPolicy": "Replica"}
-    create(control_plane, workspace, smollm2_manifest(name, 3, health))
+    create(control_plane, workspace, sharded_smollm2(name, 3, health))
     address = wait_serving(groups, core, node_agent, name, replicas=1, timeout=400)
     assert "Paris" in ask_france(address)
     time.sleep(PERIOD * 2)
@@ -155,7 +149,7 @@ def test_a_model_that_cannot_be_sharded_is_refused_with_a_condition_naming_it(
 ) -> None:
     groups = Groups(k8s, workspace)
     name = "tp2"
-    create(control_plane, workspace, smollm2_manifest(name, 2, FAST_HEALTH))
+    create(control_plane, workspace, sharded_smollm2(name, 2, FAST_HEALTH))
 
     condition = eventually(
         lambda: true_condition(groups, name, "Degraded", "WorkerFailed"),

@@ -25,7 +25,7 @@ from iwg_worker.worker_base import WorkerConfig
 from transformers import GPT2Config
 
 from tests.iwg_worker.conftest import REPO_ROOT
-from tests.models import smollm2_dir
+from tests.models import smollm2_dir, smollm2_manifest
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,11 @@ def serve(manifest: dict[str, object], tmp_path: Path) -> subprocess.CompletedPr
 def test_iwg_serve_exits_at_start_naming_the_reason(
     minilm_path: str, tmp_path: Path, example: str, world_size: int, expected: str
 ) -> None:
-    manifest = yaml.safe_load((REPO_ROOT / "examples" / example).read_text())
-    manifest["spec"]["model"]["path"] = str(smollm2_dir()) if example == "smollm2.yaml" else minilm_path
+    if example == "smollm2.yaml":
+        manifest = smollm2_manifest()
+    else:
+        manifest = yaml.safe_load((REPO_ROOT / "examples" / example).read_text())
+        manifest["spec"]["model"]["path"] = minilm_path
     manifest["spec"]["worldSize"] = world_size
     result = serve(manifest, tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]

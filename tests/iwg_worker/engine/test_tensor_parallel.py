@@ -94,9 +94,9 @@ def test_world_size_3_answers_as_world_size_1(
         assert len(logprobs) == len(one_logprobs) == len(tokens)
         for value, expected in zip(logprobs, one_logprobs, strict=True):
             worst = max(worst, abs(value - expected))
-        for row, expected_row in zip(top, one_top, strict=True):
-            assert [t for t, _ in row] == [t for t, _ in expected_row]
-            worst = max(worst, *(abs(a - b) for (_, a), (_, b) in zip(row, expected_row, strict=True)))
+        for row, expected_row in zip(top, one_top, strict=True):  # [[token, logprob, text], ...]
+            assert [entry[0] for entry in row] == [entry[0] for entry in expected_row]
+            worst = max(worst, *(abs(a[1] - b[1]) for a, b in zip(row, expected_row, strict=True)))
     print(
         f"worldSize {WORLD} vs 1: largest log-probability difference {worst:.2e} (tolerance {LOGPROB_TOLERANCE})"
     )
