@@ -7,6 +7,8 @@ all measured in one run on the same prompts.
 - direct: transformers' `ContinuousBatchingManager` on the same weights with the same cache settings as the
   worker, the requests added at once, tokens streamed back;
 - iwg serve: N concurrent streamed `/v1/completions` requests over HTTP (driver + one worker process + ZMQ);
+- iwg serve, chat: the same prompts' text as N streamed `/v1/chat/completions` requests (rendered with the
+  model's chat template by the worker: a few more prompt tokens each);
 - one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
   ``--serial-prompts`` prompts: its rate does not depend on how many streams wait.
 
@@ -142,15 +144,24 @@ def run_serial(model: Any, prompts: list[list[int]], output_tokens: int) -> Run:
     return run
 
 
-async def run_serve(url: str, prompts: list[list[int]], output_tokens: int) -> Run:
+async def run_serve(
+    url: str, prompts: list[list[int]], output_tokens: int, chat: list[str] | None = None
+) -> Run:
+    """Streamed completions of ``prompts``; or, given ``chat``, streamed chat completions of those texts."""
     import aiohttp
 
     run = Run()
+    path = "/v1/chat/completions" if chat is not None else "/v1/completions"
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int], started: float) -> int:
+    async def one(session: aiohttp.ClientSession, index: int, started: float) -> int:
+        request: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": chat[index]}]}
+            if chat is not None
+            else {"prompt": prompts[index]}
+        )
         body = {
             "model": "smollm2",
-            "prompt": prompt,
+            **request,
             "max_tokens": output_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -159,7 +170,7 @@ async def run_serve(url: str, prompts: list[list[int]], output_tokens: int) -> R
         }
         last = None
         tokens = 0
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
+        async with session.post(f"{url}{path}", json=body) as resp:
             assert resp.status == 200, await resp.text()
             async for raw in resp.content:
                 line = raw.decode().strip()
@@ -179,7 +190,7 @@ async def run_serve(url: str, prompts: list[list[int]], output_tokens: int) -> R
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         started = time.monotonic()
-        counts = await asyncio.gather(*(one(session, p, started) for p in prompts))
+        counts = await asyncio.gather(*(one(session, i, started) for i in range(len(prompts))))
         run.seconds = time.monotonic() - started
     run.tokens = sum(counts)
     return run
@@ -211,6 +222,7 @@ def main() -> None:
     import torch
     from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
+    from tests.iwg_worker.driver import conftest
     from tests.iwg_worker.driver.conftest import start_smollm2
     from tests.models import smollm2_dir
 
@@ -227,12 +239,18 @@ def main() -> None:
     serial = run_serial(model, prompts[: args.serial_prompts], args.output_tokens)
     direct = {n: run_direct(model, prompts[:n], args.output_tokens) for n in levels}
     del model
+    conftest.STARTUP_TIMEOUT_S = 900.0  # a loaded machine starts the group slowly; the bench waits
     with tempfile.TemporaryDirectory() as tmp:
         served = start_smollm2(Path(tmp), dict(os.environ), kv_blocks=KV_BLOCKS)
         proc, url = served.process, served.url
         try:
             asyncio.run(run_serve(url, prompts[:2], 8))  # warm-up
             served = {n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens)) for n in levels}
+            texts = [tokenizer.decode(p) for p in prompts]
+            chats = {
+                n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens, chat=texts[:n]))
+                for n in levels
+            }
         finally:
             proc.terminate()
             proc.wait(60)
@@ -256,6 +274,14 @@ def main() -> None:
                 n,
                 served[n],
                 f"{served[n].rate / direct[n].rate:.2f}x of direct; {served[n].rate / serial.rate:.2f}x of one-at-a-time",
+            )
+        )
+        print(
+            row(
+                "iwg serve, chat (HTTP, SSE)",
+                n,
+                chats[n],
+                f"{chats[n].rate / direct[n].rate:.2f}x of direct; {chats[n].rate / serial.rate:.2f}x of one-at-a-time",
             )
         )
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")

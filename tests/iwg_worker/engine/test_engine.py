@@ -76,6 +76,7 @@ def test_greedy_tokens_of_16_concurrent_prompts_equal_transformers_generate(
     for request_id, prompt in zip(ids, prompts, strict=True):
         expected = greedy_reference(reference, prompt, 12)
         assert collector.tokens(request_id) == expected, request_id
+        assert collector.text(request_id) == reference[1].decode(expected, skip_special_tokens=True)
         # An end-of-sequence token stops the request, also when it is the last one allowed.
         assert collector.finish(request_id) == ("stop" if expected[-1] in eng.eos_token_ids else "length")
 

@@ -25,6 +25,10 @@ from iwg_worker.engine.sampler import TokenLogprobs
 Decode = Callable[[list[int]], str]
 TokenText = Callable[[int], str]
 _REPLACEMENT = "\ufffd"
+# Tokens decoded again before the new ones each step: the context a tokenizer's decode of a piece may depend
+# on (a leading space, a character split over tokens). Decoding only this window keeps a step's cost
+# independent of how long the output already is.
+DECODE_WINDOW = 6
 
 
 class RequestStream:
@@ -42,6 +46,8 @@ class RequestStream:
         self.sent_tokens = 0  # tokens returned so far
         self.sent_chars = 0  # characters of text returned so far
         self.finished = False
+        self._settled_tokens = 0  # the text of the first this many tokens is `_settled_text`
+        self._settled_text = ""
 
     def update(
         self,
@@ -51,7 +57,7 @@ class RequestStream:
     ) -> tuple[dict[str, Any] | None, bool]:
         """The item for this step (None: nothing to send yet) and whether the request must stop now."""
         params = self.request.params
-        text = self._decode(generated)
+        text = self._text(generated)
         stop_at = _find_stop(text, params.stop, self.sent_chars)
         finish: str | None = None
         if stop_at is not None:
@@ -90,6 +96,25 @@ class RequestStream:
         self.sent_chars += len(new_text)
         self.finished = finish is not None
         return item, finish is not None and not engine_finished
+
+    def _text(self, generated: list[int]) -> str:
+        """The text of ``generated``: the settled text of the tokens seen before, and the new tokens decoded
+        with a few tokens before them (the text those few make is taken off again)."""
+        settled = min(self._settled_tokens, len(generated))
+        start = max(0, settled - DECODE_WINDOW)
+        before = self._decode(generated[start:settled])
+        window = self._decode(generated[start:])
+        if (
+            settled == self._settled_tokens
+            and window.startswith(before)
+            and not before.endswith(_REPLACEMENT)
+        ):
+            text = self._settled_text + window[len(before) :]
+        else:  # the window's text does not extend the settled text: decode it all (exact)
+            text = self._text(generated)
+        if not text.endswith(_REPLACEMENT):  # a character still split over tokens is decided next time
+            self._settled_tokens, self._settled_text = len(generated), text
+        return text
 
     def failed(self, message: str) -> dict[str, Any]:
         self.finished = True
