@@ -3,6 +3,7 @@ transformers' continuous batching called directly in this process and the old on
 all measured in one run on the same prompts.
 
     python -m bench.generate [--streams 1,8,32,64] [--output-tokens 128] [--serial-prompts 4]
+    python -m bench.generate --executors-only [--executor-streams 32] [--executor-rounds 2]
 
 - direct: transformers' `ContinuousBatchingManager` on the same weights with the same cache settings as the
   worker, the requests added at once, tokens streamed back;
@@ -11,6 +12,16 @@ all measured in one run on the same prompts.
   model's chat template by the worker: a few more prompt tokens each);
 - one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
   ``--serial-prompts`` prompts: its rate does not depend on how many streams wait.
+
+- per-step overhead of the Multiproc executor: the same engine (the worker's own `GenerationEngine`, same
+  weights and cache size) behind `UniProcExecutor` in this process and behind `MultiprocExecutor` (one
+  ``iwg-worker`` process, calls through the shared-memory ring, each step's stream message back over ipc),
+  ``--executor-streams`` requests (the prompts' last ``--executor-prompt-tokens`` tokens, so that decode
+  steps, not prefill, make most of the time) opened at once through `Executor.open_stream` and read to the
+  end. The
+  two alternate for ``--executor-rounds`` rounds; a step is one stream message (every running request's new
+  tokens), counted where the executor hands it to its `StreamHub`. Reported: seconds per step and tokens/s
+  of each, and Multiproc / UniProc per-step time.
 
 ``--tp-streams N`` adds a row: `iwg serve` with worldSize 3 (SmolLM2 sharded three ways over gloo, three
 worker processes) against worldSize 1, both at N streams in the same run. On a machine of few cores this is
@@ -196,6 +207,101 @@ async def run_serve(
     return run
 
 
+@dataclass
+class StepRun:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds / self.steps if self.steps else float("nan")
+
+    def add(self, other: StepRun) -> None:
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+
+async def run_executor(executor: Any, prompts: list[list[int]], output_tokens: int, tag: str) -> StepRun:
+    """Open every prompt's stream through ``executor`` at once and read them to the end; steps are the
+    stream messages the executor's hub receives meanwhile."""
+    hub = executor.streams
+    steps = 0
+    deliver = hub.deliver
+
+    def counting(replica: int, items: list[dict[str, Any]]) -> None:
+        nonlocal steps
+        steps += 1
+        deliver(replica, items)
+
+    hub.deliver = counting  # an instance attribute: this run only
+    tokens = 0
+
+    async def one(i: int, prompt: list[int]) -> None:
+        nonlocal tokens
+        request = {
+            "id": f"{tag}-{i}",
+            "prompt_ids": prompt,
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        stream, answer = await executor.open_stream(request, replica=0, timeout=60)
+        assert answer["ok"], answer
+        async for item in stream:
+            tokens += len(item["tokens"])
+
+    try:
+        started = time.monotonic()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        seconds = time.monotonic() - started
+    finally:
+        del hub.deliver
+    return StepRun(steps, tokens, seconds)
+
+
+def executor_overhead(
+    model_dir: Path, prompts: list[list[int]], output_tokens: int, rounds: int
+) -> tuple[StepRun, StepRun]:
+    """(UniProc, Multiproc) totals over ``rounds`` alternating rounds, the same engine behind each."""
+    from iwg_worker.executor.multiproc import MultiprocExecutor
+    from iwg_worker.executor.uniproc import UniProcExecutor
+    from iwg_worker.worker_base import WorkerConfig
+
+    blocks = len(prompts) * -(-(max(map(len, prompts)) + output_tokens) // PAGE_SIZE)
+    config = WorkerConfig(
+        task="generate",
+        model_path=str(model_dir),
+        served_name="smollm2",
+        device="cpu",
+        dtype="float32",
+        group="bench",
+        kv_cache_blocks=blocks,
+    )
+    uni = UniProcExecutor(config)
+    multi = None
+    try:
+        multi = MultiprocExecutor(config, extra_env={"HF_HUB_OFFLINE": "1"})
+        totals = {"uni": StepRun(), "multi": StepRun()}
+        for executor in (uni, multi):  # warm-up, not counted
+            asyncio.run(run_executor(executor, prompts[:2], 4, "warm"))
+        for r in range(rounds):
+            for name, executor in (("uni", uni), ("multi", multi)):
+                run = asyncio.run(run_executor(executor, prompts, output_tokens, f"{name}{r}"))
+                print(
+                    f"# round {r} {name}: {run.steps} steps, {run.tokens} tokens in {run.seconds:.1f} s "
+                    f"({run.step_s * 1e3:.1f} ms/step)",
+                    flush=True,
+                )
+                totals[name].add(run)
+    finally:
+        uni.shutdown()
+        if multi is not None:
+            multi.shutdown()
+    return totals["uni"], totals["multi"]
+
+
 def row(name: str, streams: int, run: Run, ratios: str) -> str:
     ms = 1000.0
     return (
@@ -213,6 +319,15 @@ def main() -> None:
     parser.add_argument("--serial-prompts", type=int, default=4)
     parser.add_argument("--tp-streams", type=int, default=8, help="streams of the worldSize 3 row (0: none)")
     parser.add_argument("--only-tp", action="store_true", help="only worldSize 3 against worldSize 1")
+    parser.add_argument("--executor-streams", type=int, default=32)
+    parser.add_argument("--executor-prompt-tokens", type=int, default=64)
+    parser.add_argument("--executor-output-tokens", type=int, default=32)
+    parser.add_argument("--executor-rounds", type=int, default=2)
+    parser.add_argument(
+        "--executors-only",
+        action="store_true",
+        help="only the Multiproc / UniProc per-step comparison",
+    )
     args = parser.parse_args()
     if args.only_tp:
         tensor_parallel_rows(args.tp_streams, args.output_tokens)
@@ -230,12 +345,32 @@ def main() -> None:
     model_dir = smollm2_dir()
     source = model_source(model_dir)
     tokenizer = load_tokenizer(source)
-    model = load_causal_lm(source, torch.float32, attn_implementation="sdpa").eval()
-    prompts = make_prompts(tokenizer, max(levels))
+    prompts = make_prompts(tokenizer, max(*levels, args.executor_streams))
     print(
         f"# SmolLM2-135M-Instruct float32 on CPU ({os.cpu_count()} cores), load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"# prompts {PROMPT_TOKENS} tokens (cycled), {args.output_tokens} output tokens each, greedy\n")
+    print(f"# prompts {PROMPT_TOKENS} tokens (cycled), greedy\n")
+    uni, multi = executor_overhead(
+        model_dir,
+        [p[-args.executor_prompt_tokens :] for p in prompts[: args.executor_streams]],
+        args.executor_output_tokens,
+        args.executor_rounds,
+    )
+    print("\n| executor | streams | steps | output tokens/s | ms per step | per-step vs UniProc |")
+    print("|---|---|---|---|---|---|")
+    for name, run in (("UniProc (in-process)", uni), ("Multiproc (1 worker process)", multi)):
+        print(
+            f"| {name} | {args.executor_streams} | {run.steps} | {run.tokens / run.seconds:.1f} "
+            f"| {run.step_s * 1e3:.1f} | {run.step_s / uni.step_s:.3f}x |"
+        )
+    print(
+        f"\nMultiproc / UniProc per-step time at {args.executor_streams} streams: "
+        f"{multi.step_s / uni.step_s:.3f}x (target <= 1.05x); load average {os.getloadavg()[0]:.1f}\n"
+    )
+    if args.executors_only:
+        return
+    print(f"# {args.output_tokens} output tokens each\n")
+    model = load_causal_lm(source, torch.float32, attn_implementation="sdpa").eval()
     serial = run_serial(model, prompts[: args.serial_prompts], args.output_tokens)
     direct = {n: run_direct(model, prompts[:n], args.output_tokens) for n in levels}
     del model

@@ -1,7 +1,7 @@
 """Worker RPC benchmark: collective_rpc round trips beside raw pyzmq, all measured in one run.
 
-For each executor (UniProc; Multiproc through its shared-memory ring, and with ``ring=False`` over ipc
-sockets; Cluster over tcp with CURVE on and off), 1 and 4 workers, and
+For each executor (UniProc; Multiproc through its shared-memory ring and reply FIFO, through the ring with
+replies on the socket (``reply_fifo=False``), and with ``ring=False`` over ipc sockets; Cluster over tcp with CURVE on and off), 1 and 4 workers, and
 64 B / 1 MiB / 16 MiB tensor payloads, it times ``collective_rpc("echo", (tensor,))`` and, right beside it, a
 raw pyzmq ROUTER -> DEALER echo of the same bytes over the same transport (same CURVE setting) to as many
 echo processes. Timings alternate between the two in rounds, so load on the machine hits both alike; the
@@ -12,12 +12,14 @@ Multiproc, ring against sockets, same run: a 16 MiB broadcast to 4 workers whose
 (the tests' `ProbeExtension.touch` reads a byte of every page), and the CPU time the 4 idle workers
 of each group use over 10 s.
 
-Run: ``python -m bench.rpc`` from the repository root (about 3 minutes on 2 cores, most of it starting 16
-worker processes).
+Run: ``python -m bench.rpc`` from the repository root (about 3 minutes on 2 cores, most of it starting 20
+worker processes); ``python -m bench.rpc --multiproc-only``: the three Multiproc groups, their broadcast and
+idle rows, beside the raw ipc echo (12 worker processes).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -327,46 +329,69 @@ def idle_cpu(groups: dict[str, MultiprocExecutor], seconds: float) -> dict[str, 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--multiproc-only",
+        action="store_true",
+        help="only the Multiproc groups (ring and sockets) and the raw ipc echo",
+    )
+    only_multiproc: bool = parser.parse_args().multiproc_only
     started = time.monotonic()
     load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="iwg-bench-"))
     keys = CurveKeys.generate()
     curve_dir = str(keys.save(root / "raw-curve"))
-    print(f"starting {4 * REPLICAS} worker processes and {3 * REPLICAS} raw echo processes ...", flush=True)
+    groups = 3 if only_multiproc else 5
+    print(
+        f"starting {groups * REPLICAS} worker processes and {(1 if only_multiproc else 3) * REPLICAS} raw echo "
+        "processes ...",
+        flush=True,
+    )
     clusters: dict[str, tuple[ClusterExecutor, list[subprocess.Popen[bytes]]]] = {}
     raws: dict[str, RawGroup] = {}
-    multiproc = multiproc_sockets = uniproc = None
+    multiproc = multiproc_sockets = multiproc_ring_only = uniproc = None
     rows: list[Row] = []
     try:
         # Start everything first; the cluster groups' workers load while Multiproc waits for its own.
-        clusters["tcp + CURVE"] = _cluster_group(root / "curve", keys, 2.0)
-        clusters["tcp, no CURVE"] = _cluster_group(root / "plain", None, 2.0)
+        if not only_multiproc:
+            clusters["tcp + CURVE"] = _cluster_group(root / "curve", keys, 2.0)
+            clusters["tcp, no CURVE"] = _cluster_group(root / "plain", None, 2.0)
         bench_config = WorkerConfig(task="none", device="cpu", group="bench")
         multiproc = MultiprocExecutor(bench_config, replicas=REPLICAS, worker_extension_cls=ECHO_EXTENSION)
         multiproc_sockets = MultiprocExecutor(
             bench_config, replicas=REPLICAS, worker_extension_cls=ECHO_EXTENSION, ring=False
         )
+        multiproc_ring_only = MultiprocExecutor(
+            bench_config, replicas=REPLICAS, worker_extension_cls=ECHO_EXTENSION, reply_fifo=False
+        )
         for executor, _ in clusters.values():
             executor.wait_until_serving(timeout=600)
         raws["ipc"] = RawGroup(f"ipc://{root}/raw", REPLICAS, None, None)
-        raws["tcp + CURVE"] = RawGroup("tcp://127.0.0.1:0", REPLICAS, keys, curve_dir)
-        raws["tcp, no CURVE"] = RawGroup("tcp://127.0.0.1:0", REPLICAS, None, None)
+        if not only_multiproc:
+            raws["tcp + CURVE"] = RawGroup("tcp://127.0.0.1:0", REPLICAS, keys, curve_dir)
+            raws["tcp, no CURVE"] = RawGroup("tcp://127.0.0.1:0", REPLICAS, None, None)
         print(
             f"started in {time.monotonic() - started:.0f} s; measuring (medians of alternating rounds)",
             flush=True,
         )
-        uniproc = UniProcExecutor(
-            WorkerConfig(task="none", device="cpu"), worker_extension_cls=ECHO_EXTENSION
-        )
-        rows += measure_executor("UniProc", "in-process (raw: ipc)", uniproc, raws["ipc"], (1,))
+        if not only_multiproc:
+            uniproc = UniProcExecutor(
+                WorkerConfig(task="none", device="cpu"), worker_extension_cls=ECHO_EXTENSION
+            )
+            rows += measure_executor("UniProc", "in-process (raw: ipc)", uniproc, raws["ipc"], (1,))
         rows += measure_executor("Multiproc", "shm ring", multiproc, raws["ipc"], (1, 4))
         rows += measure_executor("Multiproc", "ipc sockets", multiproc_sockets, raws["ipc"], (1, 4))
+        rows += measure_executor(
+            "Multiproc", "shm ring, replies on socket", multiproc_ring_only, raws["ipc"], (1, 4)
+        )
         ring_s, sockets_s = broadcast(multiproc, multiproc_sockets)
         idle = idle_cpu({"shm ring": multiproc, "ipc sockets": multiproc_sockets}, IDLE_S)
         for transport, (executor, _) in clusters.items():
             rows += measure_executor("Cluster", transport, executor, raws[transport], (1, 4))
         # Ray last: its processes start only now, so they do not load the machine during the rows above.
-        ray_group = _ray_group()
+        ray_group = None if only_multiproc else _ray_group()
         if ray_group is not None:
             try:
                 rows += measure_executor(
@@ -374,11 +399,11 @@ def main() -> None:
                 )
             finally:
                 ray_group[1]()
-        proxy_rows = proxied_vs_direct()
+        proxy_rows = [] if only_multiproc else proxied_vs_direct()
     finally:
         if uniproc is not None:
             uniproc.shutdown()
-        for group in (multiproc, multiproc_sockets):
+        for group in (multiproc, multiproc_sockets, multiproc_ring_only):
             if group is not None:
                 group.shutdown()
         for executor, procs in clusters.values():
@@ -393,8 +418,9 @@ def main() -> None:
     print()
     print(_table([r.cells() for r in rows], HEADER))
     print()
-    print(_table(proxy_rows, ["call", "ns per call", "vs direct (same style)"]))
-    print()
+    if proxy_rows:
+        print(_table(proxy_rows, ["call", "ns per call", "vs direct (same style)"]))
+        print()
 
     def ratio(transport: str, workers: int) -> float:
         row = next(r for r in rows if (r.transport, r.workers, r.payload) == (transport, workers, "64 B"))
@@ -403,7 +429,9 @@ def main() -> None:
     print(
         f"Multiproc through the shm ring, 64 B, iwg / raw pyzmq: {ratio('shm ring', 4):.2f}x to 4 workers "
         f"(target <= 1.0x), {ratio('shm ring', 1):.2f}x to 1 (target <= 1.2x); over ipc sockets "
-        f"{ratio('ipc sockets', 4):.2f}x and {ratio('ipc sockets', 1):.2f}x"
+        f"{ratio('ipc sockets', 4):.2f}x and {ratio('ipc sockets', 1):.2f}x; through the ring with replies on "
+        f"the socket (no reply FIFO) {ratio('shm ring, replies on socket', 4):.2f}x and "
+        f"{ratio('shm ring, replies on socket', 1):.2f}x"
     )
     mb = BROADCAST_BYTES * REPLICAS / 1e6
     print(
@@ -417,13 +445,16 @@ def main() -> None:
         + " (target < 5%)"
     )
     cluster = [r.iwg_s / r.raw_s for r in rows if r.payload == "64 B" and r.executor == "Cluster"]
-    large = [
-        r.raw_s / r.iwg_s for r in rows if r.payload == "16 MiB" and r.executor in ("Multiproc", "Cluster")
-    ]
-    print(
-        f"Cluster 64 B overhead vs raw pyzmq: {min(cluster):.2f}x .. {max(cluster):.2f}x; "
-        f"16 MiB echo bandwidth vs raw: {min(large):.2f} .. {max(large):.2f}"
-    )
+    if cluster:
+        large = [
+            r.raw_s / r.iwg_s
+            for r in rows
+            if r.payload == "16 MiB" and r.executor in ("Multiproc", "Cluster")
+        ]
+        print(
+            f"Cluster 64 B overhead vs raw pyzmq: {min(cluster):.2f}x .. {max(cluster):.2f}x; "
+            f"16 MiB echo bandwidth vs raw: {min(large):.2f} .. {max(large):.2f}"
+        )
     multiproc_s = {(r.workers, r.payload): r.iwg_s for r in rows if r.transport == "shm ring"}
     ray_vs = [
         f"{r.workers} worker(s) {r.payload} {r.iwg_s / multiproc_s[(r.workers, r.payload)]:.1f}x"

@@ -1,8 +1,10 @@
 """The shared-memory ring under MultiprocExecutor: the ring itself (writer and readers in this process,
-fuzzed contents), then real worker processes reading it (a killed reader, restarts, idle readers)."""
+fuzzed contents), the reply FIFO beside it, then real worker processes reading the ring and writing the
+FIFO (a killed reader, restarts, idle readers)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import time
@@ -20,6 +22,7 @@ from iwg_worker import protocol
 from iwg_worker.executor import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
 from iwg_worker.executor.multiproc import _make_ring as make_ring
+from iwg_worker.executor.reply_pipe import MAX_MESSAGE_BYTES, ReplyPipeReader, ReplyPipeWriter
 from iwg_worker.executor.shm_ring import (
     RingBusyError,
     RingMessage,
@@ -226,6 +229,82 @@ def test_a_ring_that_cannot_be_had_leaves_the_calls_on_the_sockets(tmp_path: Pat
     ring.close()
 
 
+# -- the reply FIFO ------------------------------------------------------------------------------------------
+
+
+def test_reply_fifo_records_from_several_writers_arrive_whole_in_each_writers_order(tmp_path: Path) -> None:
+    reader = ReplyPipeReader(tmp_path)
+    writers = [ReplyPipeWriter(reader.path) for _ in range(3)]
+    try:
+        sent = {
+            w: [bytes([w]) * (1 + (w * 997 + i * 131) % MAX_MESSAGE_BYTES) for i in range(40)]
+            for w in range(3)
+        }
+        got: list[bytes] = []
+        for i in range(40):
+            for w, writer in enumerate(writers):
+                assert writer.send(sent[w][i])
+            got += reader.read()  # 120 KiB in all: more than a FIFO holds, so read as it goes
+        while len(got) < 120:
+            more = reader.read()
+            assert more
+            got += more
+        for w in range(3):
+            assert [m for m in got if m[0] == w] == sent[w]
+        assert reader.received == 120
+        assert reader.rejected == 0
+    finally:
+        for writer in writers:
+            writer.close()
+        reader.close()
+
+
+def test_reply_fifo_refuses_what_it_cannot_write_whole(tmp_path: Path) -> None:
+    reader = ReplyPipeReader(tmp_path)
+    writer = ReplyPipeWriter(reader.path)
+    try:
+        assert not writer.send(b"x" * (MAX_MESSAGE_BYTES + 1))  # more than one atomic write
+        assert reader.read() == []
+        record = b"y" * 1000
+        written = 0
+        while writer.send(record):  # until the FIFO is full: the write fails whole, nothing torn
+            written += 1
+        got: list[bytes] = []
+        while more := reader.read():
+            got += more
+        assert got == [record] * written
+    finally:
+        writer.close()
+        reader.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=st.lists(st.binary(min_size=1, max_size=6000), min_size=1, max_size=6))
+@example(chunks=[b"\xff\xff\xff\xff" + b"x" * 10])  # a length past the limit
+@example(chunks=[b"\x00\x00\x00\x00"])  # a zero length
+@example(chunks=[b"\x10\x00\x00\x00abc"])  # a record cut short: kept for the next read
+def test_fuzzed_reply_fifo_contents_never_crash_or_hang_the_reader(chunks: list[bytes]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reader = ReplyPipeReader(Path(tmp))
+        fd = os.open(reader.path, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            started = time.monotonic()
+            for chunk in chunks:
+                os.write(fd, chunk)  # raw bytes, not the writer's framing
+                for message in reader.read():
+                    assert 0 < len(message) <= MAX_MESSAGE_BYTES
+                    with pytest.raises(protocol.ProtocolError):
+                        protocol.decode([message])
+            while reader.read():
+                pass
+            assert time.monotonic() - started < 5
+        finally:
+            os.close(fd)
+            reader.close()
+
+
 # -- real workers --------------------------------------------------------------------------------------------
 
 
@@ -283,6 +362,26 @@ def test_malformed_messages_in_the_ring_are_rejected_counted_and_the_worker_keep
     assert group.collective_rpc("record", (5,), timeout=30, replica=0)[0][-1] == 5
     assert _metric(port, "iwg_worker_rejected_messages_total") - before == len(junk)
     assert "rejected a malformed message" in group.worker_process(0, 0).log_path.read_text()
+
+
+def test_small_replies_come_through_the_fifo_and_large_ones_over_the_socket(group: MultiprocExecutor) -> None:
+    pipe = group._reply_pipe
+    assert pipe is not None
+    before = pipe.received
+    for _ in range(2):
+        result = group.collective_rpc("echo", (torch.arange(8),), timeout=30)
+        assert [r[0][0].tolist() for r in result] == [list(range(8))] * 2
+    assert pipe.received - before == 4  # one reply from each of the two workers, twice
+    # A reply with a 64 KiB tensor has a frame of its own: the socket; small and large ones overtake
+    # each other freely and every call gets its own.
+    big = torch.full((64 << 10,), 7, dtype=torch.uint8)
+    before = pipe.received
+    futures = [
+        group.collective_rpc_future("echo", (big if i % 2 else i,), timeout=60, replica=0) for i in range(6)
+    ]
+    results = [f.result(60)[0][0] for f in futures]
+    assert [int(r[0]) if i % 2 else r for i, r in enumerate(results)] == [0, 7, 2, 7, 4, 7]
+    assert pipe.received - before == 3
 
 
 def test_calls_too_large_for_a_chunk_go_on_the_socket_in_their_place(group: MultiprocExecutor) -> None:

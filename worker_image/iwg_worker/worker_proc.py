@@ -3,9 +3,10 @@
 Start order: wrapper -> init_worker -> init_device (joins torch.distributed when world size > 1) ->
 load_model -> sockets -> hello -> busy loop. The busy loop reads calls from ``rpc_broadcast_mq`` (a DEALER
 connected to the driver's RPC endpoint), runs them one at a time, and hands replies to the output path
-(``worker_response_mq``, a PUSH connected to the driver's response endpoint). A reply is sent straight from
-the busy loop only when that cannot block (nothing queued, a non-blocking send succeeds); otherwise the
-output thread sends it, so sending never holds up the next execution. The output thread also sends the
+(``worker_response_mq``, a PUSH connected to the driver's response endpoint). Under `MultiprocExecutor` a
+small reply is written straight into its reply FIFO instead (`executor.reply_pipe`), when that FIFO has room.
+A reply is sent straight from the busy loop only when that cannot block (nothing queued, a non-blocking send
+succeeds); otherwise the output thread sends it, so sending never holds up the next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
 finishes, a goodbye is sent, the process exits 0.
 
@@ -38,7 +39,7 @@ from iwg_operator.api.v1alpha1 import resolve_model_path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from iwg_worker import protocol
-from iwg_worker.executor import shm_ring
+from iwg_worker.executor import reply_pipe, shm_ring
 from iwg_worker.health_server import HealthServer
 from iwg_worker.method_registry import UnknownMethodError
 from iwg_worker.security import CurveKeys, make_client
@@ -69,6 +70,7 @@ class WorkerProcConfig:
     ring_reader: int = 0
     ring_wake: str = ""
     ring_spin_s: float = shm_ring.DEFAULT_SPIN_S
+    reply_pipe: str = ""  # a MultiprocExecutor's FIFO for small replies
 
     def __post_init__(self) -> None:
         for name, endpoint in (
@@ -148,6 +150,7 @@ class WorkerProcConfig:
             ring_reader=integer(shm_ring.ENV_READER, 0),
             ring_wake=env.get(shm_ring.ENV_WAKE, ""),
             ring_spin_s=integer(shm_ring.ENV_SPIN_US, round(shm_ring.DEFAULT_SPIN_S * 1e6)) / 1e6,
+            reply_pipe=env.get(reply_pipe.ENV_PATH, ""),
         )
 
 
@@ -236,6 +239,7 @@ class WorkerProc:
             if config.ring_path
             else None
         )
+        self.reply_pipe = reply_pipe.ReplyPipeWriter(config.reply_pipe) if config.reply_pipe else None
         self._overflowed: dict[int, protocol.Call] = {}  # calls too large for the ring, before their marker
         self._send_lock = threading.Lock()
         self._output_closing = False
@@ -322,6 +326,14 @@ class WorkerProc:
             finally:
                 self._send_lock.release()
         self._outbox.put(frames)
+
+    def _emit_reply(self, frames: list[Any]) -> None:
+        """A reply: through the reply FIFO when there is one and the reply is one small frame (replies are
+        matched by id, so it may overtake messages on the socket), else as `_emit`."""
+        pipe = self.reply_pipe
+        if pipe is not None and len(frames) == 1 and pipe.send(frames[0]):
+            return
+        self._emit(frames)
 
     def _emit_stream(self, items: list[dict[str, Any]]) -> None:
         """One engine step's output of every running request: one message (called on the engine's thread)."""
@@ -508,7 +520,7 @@ class WorkerProc:
             error = protocol.RemoteErrorInfo(
                 "DeadlineExceeded", f"call {call.method!r} arrived after its deadline", ""
             )
-            self._emit(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
             return
         label = call.method
         self._in_flight = (call.method, call.deadline)
@@ -521,7 +533,7 @@ class WorkerProc:
             self.metrics.for_method(label)[1].inc()
             log.exception("call %r (id %d) failed", call.method, call.id)
             error = protocol.RemoteErrorInfo(type(exc).__name__, str(exc), traceback.format_exc())
-            self._emit(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
             return
         finally:
             self._in_flight = None
@@ -536,7 +548,7 @@ class WorkerProc:
                     "TypeError", f"result of {call.method!r} cannot be sent: {exc}", traceback.format_exc()
                 )
                 frames = protocol.encode_reply(call.id, self.replica, self.rank, error=error)
-            self._emit(frames)
+            self._emit_reply(frames)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -561,6 +573,8 @@ class WorkerProc:
         self.rpc_broadcast_mq.close(linger=0)
         if self.ring is not None:
             self.ring.close()
+        if self.reply_pipe is not None:
+            self.reply_pipe.close()
         self.worker_response_mq.close(linger=2000)
         self._context.term()
         self.health.stop()

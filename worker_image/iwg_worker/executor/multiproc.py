@@ -2,8 +2,9 @@
 
 Each worker is a real ``iwg-worker`` process configured through the same environment variables the operator
 writes into pods (`worker_env`), so ``iwg serve`` runs exactly what a pod runs. Calls go to the workers
-through one shared-memory ring (`shm_ring`: written once, read by every worker addressed); replies,
-heartbeats, pings and calls too large for a ring chunk go over the ipc sockets of `RemoteExecutor`.
+through one shared-memory ring (`shm_ring`: written once, read by every worker addressed); small replies
+come back through one FIFO (`reply_pipe`); stream messages, larger replies, hellos, heartbeats, pings and
+calls too large for a ring chunk go over the ipc sockets of `RemoteExecutor`.
 
 Besides heartbeats, the executor watches its processes: a worker that exits makes its replica leave at once.
 After start-up, a replica that lost a rank is restarted, all its ranks (a torch.distributed group cannot
@@ -33,6 +34,7 @@ from iwg_worker import protocol
 from iwg_worker.executor import shm_ring
 from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.remote import RemoteExecutor
+from iwg_worker.executor.reply_pipe import ReplyPipeReader
 from iwg_worker.worker_base import WorkerConfig
 from iwg_worker.worker_proc import DEFAULT_WORKER_CLS
 
@@ -163,6 +165,7 @@ class MultiprocExecutor(RemoteExecutor):
         ring_chunks: int = shm_ring.DEFAULT_CHUNKS,
         ring_chunk_bytes: int = shm_ring.DEFAULT_CHUNK_BYTES,
         ring_spin_s: float | None = None,
+        reply_fifo: bool = True,
         restart: bool = True,
         restart_backoff_s: float = 1.0,
         restart_backoff_max_s: float = 30.0,
@@ -171,8 +174,9 @@ class MultiprocExecutor(RemoteExecutor):
         filled in per process) and wait until every replica serves; a worker that dies during startup
         raises with the tail of its log.
 
-        ``ring``: calls through a shared-memory ring of ``ring_chunks`` chunks of ``ring_chunk_bytes``
-        (False: over the ipc socket to each worker); ``ring_spin_s``: how long an idle worker polls the
+        ``ring``: calls through a shared-memory ring of ``ring_chunks`` chunks of ``ring_chunk_bytes`` and
+        small replies through a FIFO (False: both over the ipc sockets; ``reply_fifo=False``: replies over
+        the socket even with the ring); ``ring_spin_s``: how long an idle worker polls the
         ring before it sleeps on its wake-up FIFO (default: `shm_ring.DEFAULT_SPIN_S` when the machine has more
         cores than workers, else 0). ``restart``: after start-up, a replica that lost a rank is
         restarted after ``restart_backoff_s``, doubled with each failure in a row up to
@@ -194,8 +198,10 @@ class MultiprocExecutor(RemoteExecutor):
         self._restarting = False  # set once every replica served the first time
         self._launch_lock = threading.Lock()
         self._ring: shm_ring.RingWriter | None = None
+        self._reply_pipe: ReplyPipeReader | None = None
         if ring:
             self._ring = _make_ring(replicas * world_size, self._dir, ring_chunks, ring_chunk_bytes)
+            self._reply_pipe = ReplyPipeReader(self._dir) if reply_fifo else None
         super().__init__(
             f"ipc://{self._dir}/rpc",
             f"ipc://{self._dir}/response",
@@ -203,6 +209,7 @@ class MultiprocExecutor(RemoteExecutor):
             world_size=world_size,
             group=config.group,
             heartbeat_interval_s=heartbeat_interval_s,
+            reply_pipe=self._reply_pipe,
         )
         try:
             for replica in range(replicas):
@@ -242,6 +249,8 @@ class MultiprocExecutor(RemoteExecutor):
             )
             env[wiring.LOCAL_RANK] = str(local_rank(replica, rank, self.world_size, self._gpus))
             env.update(self._extra_env)
+            if self._reply_pipe is not None:
+                env.update(self._reply_pipe.env())
             if self._ring is not None:
                 reader = self._reader(replica, rank)
                 env.update(self._ring.reader_env(reader, self._ring_spin_s))
@@ -387,6 +396,8 @@ class MultiprocExecutor(RemoteExecutor):
         super().shutdown()
         if self._ring is not None:
             self._ring.close()
+        if self._reply_pipe is not None:
+            self._reply_pipe.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

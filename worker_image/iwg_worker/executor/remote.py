@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -44,6 +45,7 @@ from iwg_worker.executor.base import (
     RPCError,
     RPCTimeoutError,
 )
+from iwg_worker.executor.reply_pipe import ReplyPipeReader
 from iwg_worker.security import CurveKeys, ZapAuthenticator, make_server
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,10 @@ class RemoteExecutor(Executor):
         group: str = "",
         heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
         heartbeat_misses: int = wiring.DEFAULT_HEARTBEAT_MISSES,
+        reply_pipe: ReplyPipeReader | None = None,
     ) -> None:
+        """``reply_pipe``: a FIFO that local workers write small replies into (`reply_pipe`), read beside
+        the response socket."""
         if replicas < 1 or world_size < 1:
             raise ValueError(f"replicas and world_size must be >= 1, got {replicas} and {world_size}")
         self.replicas = replicas
@@ -92,6 +97,12 @@ class RemoteExecutor(Executor):
         self._response.bind(response_endpoint)
         self.rpc_endpoint: str = self._rpc.get_string(zmq.LAST_ENDPOINT)
         self.response_endpoint: str = self._response.get_string(zmq.LAST_ENDPOINT)
+        self._reply_pipe = reply_pipe
+        # A caller receiving for itself sleeps here, on the reply FIFO and the response socket's descriptor.
+        self._inputs = select.poll()
+        self._inputs.register(cast(int, self._response.getsockopt(zmq.FD)), select.POLLIN)
+        if reply_pipe is not None:
+            self._inputs.register(reply_pipe.fd, select.POLLIN)
 
         self._lock = threading.Lock()  # membership and pending calls
         self._send_lock = threading.Lock()  # the rpc socket
@@ -169,12 +180,15 @@ class RemoteExecutor(Executor):
             if not self._closed.is_set() and self._receive_lock.acquire(blocking=False):
                 self._caller_receiving = True
                 try:
-                    while not future.done() and not self._closed.is_set():
-                        try:
-                            frames = self._recv_frames(0)  # waits up to a tick (the socket's RCVTIMEO)
-                        except zmq.Again:
-                            continue
-                        self._accept(frames, defer_membership=True)
+                    if self._reply_pipe is None:
+                        while not future.done() and not self._closed.is_set():
+                            try:
+                                frames = self._recv_frames(0)  # waits up to a tick (the socket's RCVTIMEO)
+                            except zmq.Again:
+                                continue
+                            self._accept(frames, defer_membership=True)
+                    else:
+                        self._receive_both(future)
                     # Leave the socket seen empty (an EVENTS query marks it so, like a failed receive), so the
                     # next message signals the I/O thread's descriptor again.
                     if (
@@ -191,6 +205,23 @@ class RemoteExecutor(Executor):
             else:
                 # Another thread is receiving (and will complete this call too), or the executor is closing.
                 concurrent.futures.wait([future], timeout=_TICK_MS / 1000)
+
+    def _receive_both(self, future: Future[Any]) -> None:
+        """`_receive_until_done`'s loop with a reply FIFO: take what it holds, then what the socket holds,
+        then sleep on both (a tick at most). The socket's descriptor only says "look": the EVENTS query
+        before every sleep re-arms it."""
+        assert self._reply_pipe is not None
+        pipe = self._reply_pipe
+        response = self._response
+        while not future.done() and not self._closed.is_set():
+            for message in pipe.read():
+                self._accept([message], defer_membership=True)
+            if future.done():
+                return
+            if cast(int, response.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._drain(defer_membership=True)
+                continue
+            self._inputs.poll(_TICK_MS)
 
     def collective_rpc_future(
         self,
@@ -293,6 +324,8 @@ class RemoteExecutor(Executor):
         # caller); a caller wakes it when it stops receiving while other calls are still pending.
         poller = zmq.Poller()
         poller.register(self._response.getsockopt(zmq.FD), zmq.POLLIN)
+        if self._reply_pipe is not None:
+            poller.register(self._reply_pipe.fd, zmq.POLLIN)
         next_ping = next_tick = time.monotonic()
         while not self._closed.is_set():
             self._io_resting = True  # before looking at the pending calls: see collective_rpc_future
@@ -332,7 +365,11 @@ class RemoteExecutor(Executor):
         """Hook for subclasses (process monitoring); runs on the I/O thread every tick."""
 
     def _drain(self, defer_membership: bool = False) -> None:
-        """Receive until the socket is empty (the caller holds the receive lock)."""
+        """Receive until the socket is empty, and take what the reply FIFO holds (the caller holds the
+        receive lock)."""
+        if self._reply_pipe is not None:
+            for message in self._reply_pipe.read():
+                self._accept([message], defer_membership)
         for _ in range(1000):  # then the I/O thread's timers get a turn; the rest waits at most a tick
             try:
                 frames = self._recv_frames(zmq.NOBLOCK)
