@@ -11,15 +11,13 @@ all measured in one run on the same prompts.
 - iwg serve, chat: the same prompts' text as N streamed `/v1/chat/completions` requests (rendered with the
   model's chat template by the worker: a few more prompt tokens each);
 - one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
-  ``--serial-prompts`` prompts: its rate does not depend on how many streams wait.
-
+  ``--serial-prompts`` prompts: its rate does not depend on how many streams wait;
 - per-step overhead of the Multiproc executor: the same engine (the worker's own `GenerationEngine`, same
   weights and cache size) behind `UniProcExecutor` in this process and behind `MultiprocExecutor` (one
   ``iwg-worker`` process, calls through the shared-memory ring, each step's stream message back over ipc),
   ``--executor-streams`` requests (the prompts' last ``--executor-prompt-tokens`` tokens, so that decode
   steps, not prefill, make most of the time) opened at once through `Executor.open_stream` and read to the
-  end. The
-  two alternate for ``--executor-rounds`` rounds; a step is one stream message (every running request's new
+  end. The two alternate for ``--executor-rounds`` rounds; a step is one stream message (every running request's new
   tokens), counted where the executor hands it to its `StreamHub`. Reported: seconds per step and tokens/s
   of each, and Multiproc / UniProc per-step time.
 
