@@ -1,24 +1,29 @@
 """Operator scale: N groups x 4 pods on simulated nodes, against a real kube-apiserver, scheduler and kwok.
 
-    python -m bench.operator_scale [--groups 250] [--quiet-seconds 60] [--gang] [--write-docs]
+    python -m bench.operator_scale [--groups 250] [--quiet-seconds 60] [--gang [--repeats 3]] [--write-docs]
 
-Prints: time until all pods exist and until every group reports them (and until all are Running), API
+Prints: time until all pods exist, are bound to nodes, every group reports them and every group is Running, API
 requests the operator made, its peak RSS and CPU, and API writes per minute over a quiet period afterwards.
 Ratios against (a) Grove's published ScaleTest_1000 (1000 pods in 36.1 s) and (b) a baseline measured in
 this run: the same number of pods created directly by a plain client with as many requests in flight as the
 operator allows itself (iwg_operator.kube.MAX_IN_FLIGHT), which is the floor the
 API server and scheduler on this machine allow.
 
-With `--gang`, a second run follows on a control plane that serves gang placement (GenericWorkload): the same
-groups with gang placement on (a Workload per group, a PodGroup per replica), and its ratios against the first
-run, whose groups have it off (`spec.scheduling.gang: false`).
+With `--gang`, every run is on a control plane that serves gang placement (GenericWorkload), and runs with gang
+placement off (`spec.scheduling.gang: false`) and on (a Workload per group, a PodGroup per replica) alternate,
+`--repeats` of each (off, on, on, off, off, on, ...; a fresh control plane for each), compared by their medians.
+Each run also measures the scheduler alone: the same pods created directly (with their Workloads and PodGroups
+when gang placement is on), until all exist and until all are bound, without the operator. The quiet window is
+measured in the first run of each kind only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -105,19 +110,17 @@ def group_patches_by_kopf(cp: ControlPlane) -> float:
     return total
 
 
-def count_pods(core: client.CoreV1Api, namespace: str) -> int:
-    """Worker pods in the namespace (raw JSON: remainingItemCount is not given with label selectors)."""
-    return len(worker_pods(core, namespace))
-
-
 def worker_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
+    """Worker pods in the namespace (raw JSON: remainingItemCount is not given with label selectors)."""
     response = core.list_namespaced_pod(namespace, label_selector=WORKER_SELECTOR, _preload_content=False)
     items: list[dict[str, Any]] = json.loads(response.data)["items"]
     return items
 
 
-def count_bound(core: client.CoreV1Api, namespace: str) -> int:
-    return sum(1 for pod in worker_pods(core, namespace) if (pod.get("spec") or {}).get("nodeName"))
+def count_pods(core: client.CoreV1Api, namespace: str) -> tuple[int, int]:
+    """(worker pods that exist, those bound to a node), from one list."""
+    pods = worker_pods(core, namespace)
+    return len(pods), sum(1 for pod in pods if (pod.get("spec") or {}).get("nodeName"))
 
 
 def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int]:
@@ -163,30 +166,63 @@ def create_namespace(core: client.CoreV1Api, name: str) -> None:
             time.sleep(0.1)
 
 
-def direct_baseline(core: client.CoreV1Api, namespace: str, pods: int) -> float:
-    """Seconds to create `pods` pods straight through the API, MAX_IN_FLIGHT at once: the floor here."""
+def direct_floor(
+    core: client.CoreV1Api, custom: client.CustomObjectsApi, namespace: str, groups: int, gang: bool
+) -> tuple[float, float]:
+    """The floor here, without the operator: the groups' worker pods created straight through the API,
+    MAX_IN_FLIGHT at once (with gang placement, each group's Workload and its replicas' PodGroups first).
+    Returns seconds until all exist and until all are bound to nodes."""
     from iwg_operator import builders
+    from iwg_operator.builders.gang import SCHEDULING_GROUP, SCHEDULING_VERSION
 
-    spec = api.parse_spec(manifest(namespace, 0)["spec"])
-    group = builders.Group(name="direct", namespace=namespace, uid="none", spec=spec)
-    bodies = []
-    for index in range(pods):
-        body = builders.worker_pod(group, index // WORLD_SIZE, index % WORLD_SIZE, builders.BuildSettings())
-        del body["metadata"]["ownerReferences"]
-        bodies.append(body)
+    spec = api.parse_spec(manifest(namespace, 0, gang)["spec"])
+    settings = builders.BuildSettings()
+    gang_objects: list[tuple[str, builders.Manifest]] = []
+    pods: list[builders.Manifest] = []
+    for index in range(groups):
+        group = builders.Group(name=f"d{index:04d}", namespace=namespace, uid="none", spec=spec)
+        if gang:
+            gang_objects.append(("workloads", builders.workload(group)))
+            gang_objects += [("podgroups", builders.pod_group(group, r)) for r in range(REPLICAS)]
+        for replica in range(REPLICAS):
+            pod_group = builders.pod_group_name(group.name, replica) if gang else None
+            pods += [
+                builders.worker_pod(group, replica, rank, settings, pod_group) for rank in range(WORLD_SIZE)
+            ]
+    for body in [*pods, *(body for _, body in gang_objects)]:
+        del body["metadata"]["ownerReferences"]  # no group object exists
+    scheduling = SCHEDULING_GROUP, SCHEDULING_VERSION
     started = time.monotonic()
     with ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:
-        list(pool.map(lambda b: core.create_namespaced_pod(namespace, b), bodies))
-    while count_pods(core, namespace) < pods:
-        time.sleep(0.05)
-    return time.monotonic() - started
+        list(
+            pool.map(
+                lambda o: custom.create_namespaced_custom_object(*scheduling, namespace, o[0], o[1]),
+                gang_objects,
+            )
+        )
+        list(pool.map(lambda b: core.create_namespaced_pod(namespace, b), pods))
+    exist = bound = None
+    while bound is None:
+        existing, bound_now = count_pods(core, namespace)
+        if exist is None and existing >= len(pods):
+            exist = time.monotonic() - started
+        if bound_now >= len(pods):
+            bound = time.monotonic() - started
+        time.sleep(0.25)
+    assert exist is not None
+    return exist, bound
 
 
-def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]:
-    """One run; with `gang`, on a control plane serving Workload and PodGroup, the groups placed as gangs."""
+def run(
+    groups: int, quiet_seconds: float, gang: bool = False, gang_control_plane: bool = False
+) -> dict[str, Any]:
+    """One run on a fresh control plane (serving Workload and PodGroup with `gang_control_plane`); with `gang`,
+    the groups are placed as gangs. `quiet_seconds` 0: no quiet window."""
     pods_total = groups * PODS_PER_GROUP
-    nodes = max(4, -(-pods_total // 100) + 1)
-    cp = (ControlPlane.with_gang_scheduling if gang else ControlPlane)(name="iwg-bench").start()
+    # Room for the operator's worker pods, its groups' driver pods and the direct floor's pods (110 a node).
+    nodes = max(4, -(-(2 * pods_total + groups) // 100) + 1)
+    cp = (ControlPlane.with_gang_scheduling if gang or gang_control_plane else ControlPlane)(name="iwg-bench")
+    cp.start()
     operator: subprocess.Popen[bytes] | None = None
     try:
         cp.start_scheduler()
@@ -205,13 +241,11 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
                 break
             assert attempt < 9, waited.stderr
             time.sleep(0.5)
-        configuration = client.Configuration()
         k8s: ApiClient = cp.api_client()
         k8s.configuration.connection_pool_maxsize = max(32, MAX_IN_FLIGHT)
         core, custom = client.CoreV1Api(k8s), client.CustomObjectsApi(k8s)
         create_namespace(core, "bench")
         create_namespace(core, "direct")
-        del configuration
 
         port = free_port()
         log = open(cp.workdir / "operator.log", "wb")  # noqa: SIM115
@@ -257,11 +291,13 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
         t_pods = t_bound = t_reported = t_running = None
         deadline = started + 900
         while time.monotonic() < deadline and t_running is None:
-            now = time.monotonic() - started
-            if t_pods is None and count_pods(core, "bench") >= pods_total:
-                t_pods = now
-            if t_pods is not None and t_bound is None and count_bound(core, "bench") >= pods_total:
-                t_bound = time.monotonic() - started
+            if t_bound is None:
+                existing, bound = count_pods(core, "bench")
+                now = time.monotonic() - started
+                if t_pods is None and existing >= pods_total:
+                    t_pods = now
+                if bound >= pods_total:
+                    t_bound = now
             if t_pods is not None:
                 counted, running = reporting(custom, "bench")
                 if t_reported is None and counted == groups:
@@ -275,23 +311,27 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
         requests_busy = operator_requests(port)
         kopf_patches_busy = group_patches_by_kopf(cp) - kopf_patches_before
 
-        time.sleep(5)  # let the last status writes land before the quiet window opens
-        quiet_start = operator_requests(port)
-        kopf_quiet_start = group_patches_by_kopf(cp)
-        cpu_quiet_start = sampler.cpu_seconds()
-        time.sleep(quiet_seconds)
-        quiet_end = operator_requests(port)
-        quiet_writes = sum(v - quiet_start.get(k, 0) for k, v in quiet_end.items() if k[0] in WRITE_VERBS)
-        quiet_writes += group_patches_by_kopf(cp) - kopf_quiet_start
-        cpu_quiet = sampler.cpu_seconds() - cpu_quiet_start
+        quiet_writes_per_minute = cpu_quiet = None
+        if quiet_seconds > 0:
+            time.sleep(5)  # let the last status writes land before the quiet window opens
+            quiet_start = operator_requests(port)
+            kopf_quiet_start = group_patches_by_kopf(cp)
+            cpu_quiet_start = sampler.cpu_seconds()
+            time.sleep(quiet_seconds)
+            quiet_end = operator_requests(port)
+            quiet_writes = sum(v - quiet_start.get(k, 0) for k, v in quiet_end.items() if k[0] in WRITE_VERBS)
+            quiet_writes += group_patches_by_kopf(cp) - kopf_quiet_start
+            quiet_writes_per_minute = quiet_writes * 60 / quiet_seconds
+            cpu_quiet = sampler.cpu_seconds() - cpu_quiet_start
         sampler.stop()
 
-        baseline = direct_baseline(core, "direct", pods_total)
+        direct_exist, direct_bound = direct_floor(core, custom, "direct", groups, gang)
         by_verb: dict[str, float] = {}
         for (verb, _, _), value in requests_busy.items():
             by_verb[verb] = by_verb.get(verb, 0) + value
         return {
             "gang": gang,
+            "gang_control_plane": gang or gang_control_plane,
             "groups": groups,
             "pods": pods_total,
             "nodes": nodes,
@@ -300,7 +340,8 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
             "pods_bound_seconds": t_bound,
             "groups_report_seconds": t_reported,
             "groups_running_seconds": t_running,
-            "direct_create_seconds": baseline,
+            "direct_create_seconds": direct_exist,
+            "direct_bound_seconds": direct_bound,
             "direct_in_flight": MAX_IN_FLIGHT,
             "operator_requests": by_verb,
             "operator_requests_total": sum(by_verb.values()),
@@ -308,8 +349,9 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
             "peak_rss_mb": sampler.peak_rss / 2**20,
             "cpu_seconds": cpu_busy,
             "quiet_seconds": quiet_seconds,
-            "quiet_writes_per_minute": quiet_writes * 60 / quiet_seconds,
+            "quiet_writes_per_minute": quiet_writes_per_minute,
             "quiet_cpu_seconds": cpu_quiet,
+            "load_average": os.getloadavg()[0],
         }
     finally:
         if operator is not None and operator.poll() is None:
@@ -321,22 +363,24 @@ def run(groups: int, quiet_seconds: float, gang: bool = False) -> dict[str, Any]
         cp.stop()
 
 
+def secs(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
 def report(result: dict[str, Any]) -> str:
     pods = result["pods"]
     anchor = GROUP_ANCHOR_SECONDS * pods / 1000
     t_pods = result["pods_exist_seconds"]
 
-    def secs(value: float | None) -> str:
-        return "not reached" if value is None else f"{value:.1f} s"
-
     def ratio(value: float | None, base: float) -> str:
         return "-" if value is None else f"{value / base:.2f}x"
 
     requests = ", ".join(f"{verb} {int(n)}" for verb, n in sorted(result["operator_requests"].items()))
+    plane = " (serving gang placement)" if result.get("gang_control_plane") else ""
     lines = [
         f"{'Gang placement on' if result.get('gang') else 'Gang placement off'}: "
         f"{result['groups']} groups x {PODS_PER_GROUP} pods ({REPLICAS} replicas x world size {WORLD_SIZE}) = "
-        f"{pods} pods on {result['nodes']} kwok nodes; real kube-apiserver, etcd, kube-scheduler, "
+        f"{pods} pods on {result['nodes']} kwok nodes; real kube-apiserver{plane}, etcd, kube-scheduler, "
         "kube-controller-manager; operator `iwg-operator -A` in its own process.",
         "",
         f"| measure | value | vs Grove ScaleTest_1000 | vs direct creates (same run, {result['direct_in_flight']} "
@@ -345,36 +389,66 @@ def report(result: dict[str, Any]) -> str:
         f"| groups submitted (16 in flight) | {secs(result['submit_seconds'])} | | |",
         f"| all {pods} pods exist | {secs(t_pods)} | {ratio(t_pods, anchor)} of {anchor:.1f} s | "
         f"{ratio(t_pods, result['direct_create_seconds'])} of {result['direct_create_seconds']:.1f} s |",
-        f"| all {pods} pods bound to nodes (the scheduler) | {secs(result.get('pods_bound_seconds'))} | | |",
+        f"| all {pods} pods bound to nodes (the scheduler) | {secs(result.get('pods_bound_seconds'))} | | "
+        f"{ratio(result.get('pods_bound_seconds'), result['direct_bound_seconds'])} of "
+        f"{result['direct_bound_seconds']:.1f} s |",
         f"| every group's status counts its pods | {secs(result['groups_report_seconds'])} | | |",
         f"| every group Running (all replicas ready) | {secs(result['groups_running_seconds'])} | | |",
         f"| operator API requests (own layer) | {int(result['operator_requests_total'])} ({requests}) | | |",
         f"| Kopf's annotation patches on groups | {int(result['kopf_group_patches'])} | | |",
         f"| operator peak RSS | {result['peak_rss_mb']:.0f} MB (target <= 200) | | |",
         f"| operator CPU until Running | {result['cpu_seconds']:.1f} s | | |",
-        f"| API writes per quiet minute ({result['quiet_seconds']:.0f} s window) | "
-        f"{result['quiet_writes_per_minute']:.1f} (target 0) | | |",
-        f"| operator CPU in the quiet window | {result['quiet_cpu_seconds']:.2f} s | | |",
     ]
+    if result["quiet_writes_per_minute"] is not None:
+        lines += [
+            f"| API writes per quiet minute ({result['quiet_seconds']:.0f} s window) | "
+            f"{result['quiet_writes_per_minute']:.1f} (target 0) | | |",
+            f"| operator CPU in the quiet window | {result['quiet_cpu_seconds']:.2f} s | | |",
+        ]
     return "\n".join(lines)
 
 
-def compare(plain: dict[str, Any], gang: dict[str, Any]) -> str:
-    """The gang run against the run without it (the same invocation, one after the other)."""
-    rows = [
-        ("all pods exist", "pods_exist_seconds"),
-        ("all pods bound to nodes", "pods_bound_seconds"),
-        ("every group's status counts its pods", "groups_report_seconds"),
-        ("every group Running", "groups_running_seconds"),
+# (label, key) of the times compared between runs with gang placement off and on.
+PHASES = [
+    ("all pods exist", "pods_exist_seconds"),
+    ("all pods bound to nodes", "pods_bound_seconds"),
+    ("every group's status counts its pods", "groups_report_seconds"),
+    ("every group Running", "groups_running_seconds"),
+    ("scheduler alone: direct pods exist", "direct_create_seconds"),
+    ("scheduler alone: direct pods bound", "direct_bound_seconds"),
+]
+
+
+def gang_order(repeats: int) -> list[bool]:
+    """Gang placement off and on, `repeats` of each, in an order that balances drift: off, on, on, off, ..."""
+    return [(index % 4) in (1, 2) for index in range(2 * repeats)]
+
+
+def median(results: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in results]
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def compare(results: list[dict[str, Any]]) -> str:
+    """Every run's phases, then the medians of the runs with gang placement off and on and their ratio."""
+    header = " | ".join(label for label, _ in PHASES)
+    lines = [f"| run | gang | {header} | load |", "|---" * (len(PHASES) + 3) + "|"]
+    for index, result in enumerate(results, 1):
+        times = " | ".join(secs(result[key]) for _, key in PHASES)
+        lines.append(
+            f"| {index} | {'on' if result['gang'] else 'off'} | {times} | {result['load_average']:.1f} |"
+        )
+    off = [r for r in results if not r["gang"]]
+    on = [r for r in results if r["gang"]]
+    lines += [
+        "",
+        f"| measure | gang off (median of {len(off)}) | gang on (median of {len(on)}) | gang on / off |",
+        "|---|---|---|---|",
     ]
-    lines = ["| measure | gang off | gang on | gang on / off |", "|---|---|---|---|"]
-    for label, key in rows:
-        off, on = plain[key], gang[key]
-        share = "-" if off is None or on is None else f"{on / off:.2f}x"
-        lines.append(f"| {label} | {off or 0:.1f} s | {on or 0:.1f} s | {share} |")
-    base = gang["direct_create_seconds"] / plain["direct_create_seconds"]
-    lines.append(f"| direct creates (each run's own floor) | {plain['direct_create_seconds']:.1f} s | "
-                 f"{gang['direct_create_seconds']:.1f} s | {base:.2f}x |")  # fmt: skip
+    for label, key in PHASES:
+        low, high = median(off, key), median(on, key)
+        share = "-" if low is None or high is None else f"{high / low:.2f}x"
+        lines.append(f"| {label} | {secs(low)} | {secs(high)} | {share} |")
     return "\n".join(lines)
 
 
@@ -403,23 +477,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
     parser.add_argument(
-        "--gang", action="store_true", help="a second run with gang placement on, compared with the first"
+        "--gang",
+        action="store_true",
+        help="runs with gang placement off and on, alternating on control planes that serve it; medians compared",
     )
+    parser.add_argument("--repeats", type=int, default=3, help="with --gang: runs of each kind (default 3)")
     args = parser.parse_args(argv)
-    result = run(args.groups, args.quiet_seconds)
-    text = report(result)
-    if args.gang:
-        gang = run(args.groups, args.quiet_seconds, gang=True)
-        text += "\n\n" + report(gang) + "\n\n" + compare(result, gang)
-        if args.json:
-            print(json.dumps(gang, indent=1))
+    if not args.gang:
+        results = [run(args.groups, args.quiet_seconds)]
+        text = report(results[0])
+    else:
+        results = []
+        for gang in gang_order(args.repeats):
+            first = all(r["gang"] != gang for r in results)
+            results.append(
+                run(args.groups, args.quiet_seconds if first else 0, gang=gang, gang_control_plane=True)
+            )
+            print(compare(results).split("\n\n")[0].splitlines()[-1], file=sys.stderr, flush=True)
+        firsts = [next(r for r in results if r["gang"] == gang) for gang in (False, True)]
+        text = "\n\n".join([*(report(r) for r in firsts), compare(results)])
     print(text)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(results, indent=1))
     if args.write_docs:
         command = (
             f"python -m bench.operator_scale --groups {args.groups} --quiet-seconds {args.quiet_seconds:.0f}"
-            + (" --gang" if args.gang else "")
+            + (f" --gang --repeats {args.repeats}" if args.gang else "")
         )
         write_docs(text, command)
     return 0
