@@ -214,10 +214,15 @@ def direct_floor(
 
 
 def run(
-    groups: int, quiet_seconds: float, gang: bool = False, gang_control_plane: bool = False
+    groups: int,
+    quiet_seconds: float,
+    gang: bool = False,
+    gang_control_plane: bool = False,
+    scheduler_qps: int | None = None,
 ) -> dict[str, Any]:
     """One run on a fresh control plane (serving Workload and PodGroup with `gang_control_plane`); with `gang`,
-    the groups are placed as gangs. `quiet_seconds` 0: no quiet window."""
+    the groups are placed as gangs. `quiet_seconds` 0: no quiet window. `scheduler_qps`: the scheduler's client
+    rate limit (kube-scheduler --kube-api-qps, burst twice that) instead of its default (50, burst 100)."""
     pods_total = groups * PODS_PER_GROUP
     # Room for the operator's worker pods, its groups' driver pods and the direct floor's pods (110 a node).
     nodes = max(4, -(-(2 * pods_total + groups) // 100) + 1)
@@ -225,7 +230,8 @@ def run(
     cp.start()
     operator: subprocess.Popen[bytes] | None = None
     try:
-        cp.start_scheduler()
+        qps = scheduler_qps
+        cp.start_scheduler([f"--kube-api-qps={qps}", f"--kube-api-burst={2 * qps}"] if qps else ())
         cp.start_controller_manager()
         cp.start_gpu_nodes(count=nodes)
         cp.kubectl("apply", "--server-side", "-f", "-", input=render_crd())
@@ -352,6 +358,7 @@ def run(
             "quiet_writes_per_minute": quiet_writes_per_minute,
             "quiet_cpu_seconds": cpu_quiet,
             "load_average": os.getloadavg()[0],
+            "scheduler_qps": scheduler_qps,
         }
     finally:
         if operator is not None and operator.poll() is None:
@@ -377,10 +384,11 @@ def report(result: dict[str, Any]) -> str:
 
     requests = ", ".join(f"{verb} {int(n)}" for verb, n in sorted(result["operator_requests"].items()))
     plane = " (serving gang placement)" if result.get("gang_control_plane") else ""
+    qps = f" (--kube-api-qps {result['scheduler_qps']})" if result.get("scheduler_qps") else ""
     lines = [
         f"{'Gang placement on' if result.get('gang') else 'Gang placement off'}: "
         f"{result['groups']} groups x {PODS_PER_GROUP} pods ({REPLICAS} replicas x world size {WORLD_SIZE}) = "
-        f"{pods} pods on {result['nodes']} kwok nodes; real kube-apiserver{plane}, etcd, kube-scheduler, "
+        f"{pods} pods on {result['nodes']} kwok nodes; real kube-apiserver{plane}, etcd, kube-scheduler{qps}, "
         "kube-controller-manager; operator `iwg-operator -A` in its own process.",
         "",
         f"| measure | value | vs Grove ScaleTest_1000 | vs direct creates (same run, {result['direct_in_flight']} "
@@ -482,9 +490,14 @@ def main(argv: list[str] | None = None) -> int:
         help="runs with gang placement off and on, alternating on control planes that serve it; medians compared",
     )
     parser.add_argument("--repeats", type=int, default=3, help="with --gang: runs of each kind (default 3)")
+    parser.add_argument(
+        "--scheduler-qps",
+        type=int,
+        help="the scheduler's client rate limit (--kube-api-qps; burst twice that) instead of its default 50",
+    )
     args = parser.parse_args(argv)
     if not args.gang:
-        results = [run(args.groups, args.quiet_seconds)]
+        results = [run(args.groups, args.quiet_seconds, scheduler_qps=args.scheduler_qps)]
         text = report(results[0])
     else:
         results = []
@@ -503,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         command = (
             f"python -m bench.operator_scale --groups {args.groups} --quiet-seconds {args.quiet_seconds:.0f}"
             + (f" --gang --repeats {args.repeats}" if args.gang else "")
+            + (f" --scheduler-qps {args.scheduler_qps}" if args.scheduler_qps else "")
         )
         write_docs(text, command)
     return 0

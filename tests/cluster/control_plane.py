@@ -223,7 +223,8 @@ class ControlPlane:
         self.startup_seconds["etcd+kube-apiserver"] = time.monotonic() - t0
         return self
 
-    def start_scheduler(self) -> None:
+    def start_scheduler(self, extra_args: Sequence[str] = ()) -> None:
+        """kube-scheduler with its defaults; `extra_args` are passed as they are (a bench's client QPS)."""
         if self.running("kube-scheduler"):
             return
         t0 = time.monotonic()
@@ -235,6 +236,7 @@ class ControlPlane:
                 f"--secure-port={port}",
                 "--leader-elect=false",
                 *self._gate_flags(),
+                *extra_args,
             ],
             health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )
