@@ -29,10 +29,11 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 from kubernetes import client
@@ -110,9 +111,26 @@ def group_patches_by_kopf(cp: ControlPlane) -> float:
     return total
 
 
+Result = TypeVar("Result")
+
+
+def patiently(call: Callable[[], Result], attempts: int = 5) -> Result:
+    """A read the bench polls with, asked again when an overloaded API server times it out (504, 503)."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except client.ApiException as error:
+            if error.status not in (503, 504) or attempt == attempts - 1:
+                raise
+            time.sleep(1)
+    raise AssertionError("unreachable")
+
+
 def worker_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
     """Worker pods in the namespace (raw JSON: remainingItemCount is not given with label selectors)."""
-    response = core.list_namespaced_pod(namespace, label_selector=WORKER_SELECTOR, _preload_content=False)
+    response = patiently(
+        lambda: core.list_namespaced_pod(namespace, label_selector=WORKER_SELECTOR, _preload_content=False)
+    )
     items: list[dict[str, Any]] = json.loads(response.data)["items"]
     return items
 
@@ -125,7 +143,9 @@ def count_pods(core: client.CoreV1Api, namespace: str) -> tuple[int, int]:
 
 def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int]:
     """(groups whose status counts all their pods, groups Running with every replica ready)."""
-    items = custom.list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)["items"]
+    items = patiently(
+        lambda: custom.list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)
+    )["items"]
     counted = running = 0
     for item in items:
         status = item.get("status") or {}
