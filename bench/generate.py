@@ -22,9 +22,10 @@ all measured in one run on the same prompts.
   of each, and Multiproc / UniProc per-step time.
 
 ``--tp-streams N`` adds a row: `iwg serve` with worldSize 3 (SmolLM2 sharded three ways over gloo, three
-worker processes) against worldSize 1, both at N streams in the same run. On a machine of few cores this is
-no speed-up: the ratio is what the per-step all-reduces and request broadcast cost. ``--only-tp`` runs just
-those two.
+worker processes) against worldSize 1, both at N streams in the same run, one after the other. On a quiet
+machine of few cores sharding is no speed-up and the ratio is what the per-step all-reduces and request
+broadcast cost; `iwg serve` gives each worker cores / (replicas x worldSize) torch threads, so the two rows
+also differ in threads per process. ``--only-tp`` runs just those two.
 
 Prompts are 32 to 512 tokens; every request generates exactly ``--output-tokens`` tokens (greedy,
 end-of-sequence ignored). Reported per concurrency: output tokens/s, time to first token and inter-token
@@ -458,7 +459,7 @@ def tensor_parallel_rows(streams: int, output_tokens: int) -> None:
             "iwg serve, worldSize 3 (sharded)",
             streams,
             three,
-            f"{three.rate / one.rate:.2f}x of worldSize 1 (the all-reduces' and broadcast's cost per step)",
+            f"{three.rate / one.rate:.2f}x of worldSize 1",
         )
     )
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
