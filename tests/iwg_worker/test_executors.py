@@ -61,8 +61,7 @@ def multiproc_embed(minilm_path: str, cluster_launched: Cluster) -> Iterator[Mul
     executor = MultiprocExecutor(
         WorkerConfig(task="embed", model_path=minilm_path, device="cpu", group="mpe"),
         worker_extension_cls=EXT,
-        heartbeat_interval_s=HEARTBEAT_S,
-        startup_timeout_s=600,
+        startup_timeout_s=600,  # the default heartbeat: no test here times this group's failure detection
     )
     yield executor
     executor.shutdown()
@@ -147,6 +146,7 @@ def test_same_batch_same_output_through_uniproc_multiproc_and_cluster(
         local = uniproc.execute_model(batch)["embeddings"]
     finally:
         uniproc.shutdown()
+    multiproc_embed.wait_until_serving(timeout=120)  # loading MiniLM here may starve its heartbeats a while
     through_multiproc = multiproc_embed.execute_model(batch)["embeddings"]
     through_cluster = cluster.executor.execute_model(batch, replica=0)["embeddings"]
     assert local.shape == (len(SENTENCES), 384)
