@@ -582,8 +582,10 @@ class Controller:
             (CONFIG_MAPS, builders.config_map(group, self.settings)),
             (SERVICES, builders.headless_service(group)),
             (SERVICES, builders.driver_service(group)),
+            (SERVICES, builders.drivers_service(group)),
             (DEPLOYMENTS, builders.driver_deployment(group)),
             (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
+            (POD_DISRUPTION_BUDGETS, builders.driver_disruption_budget(group)),
         ]
         results = await gather_limited(
             WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m, fresh) for resource, m in children)

@@ -223,8 +223,9 @@ class Workload:
             self.cp.kubectl("get", "-n", self.ns, self.CHILD_KINDS, "-l", selector, "-o", "json").stdout
         )["items"]
         hashes = [(i["metadata"].get("annotations") or {}).get(self.SPEC_HASH) for i in items]
-        # Two Services, the ConfigMap, the driver's Deployment, two NetworkPolicies, the PDB.
-        return len(items) == 7 and all(h and h != "edited" for h in hashes)
+        # Three Services (workers', driver's, drivers' headless), the ConfigMap, the driver's Deployment, two
+        # NetworkPolicies, two PDBs (workers', drivers').
+        return len(items) == 9 and all(h and h != "edited" for h in hashes)
 
     def gone(self) -> bool:
         try:

@@ -41,7 +41,8 @@ def test_worker_pod_identity_and_wiring() -> None:
     assert env[wiring.WORLD_SIZE] == env[wiring.TORCH_WORLD_SIZE] == "4"
     # One rank per pod: the first of the pod's own GPUs.
     assert env[wiring.LOCAL_RANK] == "0"
-    assert env[wiring.RPC_ENDPOINT] == f"tcp://g-driver.ns.svc.cluster.local:{wiring.DEFAULT_RPC_PORT}"
+    # The drivers' headless Service: it resolves to every driver pod, and the worker links to each.
+    assert env[wiring.RPC_ENDPOINT] == f"tcp://g-drivers.ns.svc.cluster.local:{wiring.DEFAULT_RPC_PORT}"
     assert env[wiring.RESPONSE_ENDPOINT].endswith(f":{wiring.DEFAULT_RESPONSE_PORT}")
     assert env[wiring.POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env[wiring.MODEL_PATH] == "/models/m" and env[wiring.SERVED_NAME] == "g"
@@ -145,6 +146,40 @@ def test_driver_deployment_and_service() -> None:
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert service["spec"]["selector"] == selector
     assert all(deployment["spec"]["template"]["metadata"]["labels"][k] == v for k, v in selector.items())
+
+
+def test_several_drivers_roll_one_at_a_time_behind_a_budget_and_a_headless_service() -> None:
+    one = group()
+    assert builders.driver_disruption_budget(one)["spec"]["minAvailable"] == 0  # a lone driver never blocks
+    three = group(driver={"replicas": 3})
+    deployment = builders.driver_deployment(three)
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pdb = builders.driver_disruption_budget(three)
+    assert (pdb["metadata"]["name"], pdb["spec"]) == (
+        "g-driver",
+        {"minAvailable": 1, "selector": {"matchLabels": selector}},
+    )
+    drivers = builders.drivers_service(three)
+    assert drivers["metadata"]["name"] == "g-drivers"
+    assert drivers["spec"]["clusterIP"] == "None" and drivers["spec"]["publishNotReadyAddresses"] is True
+    assert drivers["spec"]["selector"] == selector
+    assert {p["port"] for p in drivers["spec"]["ports"]} == {
+        wiring.DEFAULT_RPC_PORT,
+        wiring.DEFAULT_RESPONSE_PORT,
+    }
+    # The worker PDB and the drivers' do not select each other's pods.
+    assert builders.pod_disruption_budget(three)["spec"]["selector"]["matchLabels"] != selector
+
+
+def test_driver_replicas_are_bounded() -> None:
+    for bad in (0, api.MAX_DRIVER_REPLICAS + 1):
+        with pytest.raises(api.ManifestError, match=r"driver\.replicas"):
+            group(driver={"replicas": bad})
 
 
 def test_headless_service_selects_workers_before_ready() -> None:

@@ -346,7 +346,7 @@ def test_health_endpoints(cluster: Cluster) -> None:
     port = _health_port(cluster.executor, 0)
     healthz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read())
     assert healthz["alive"] is True and healthz["worker"]["cpu"] is True
-    assert healthz["worker"]["model_loaded"] is True and healthz["driver_ping_age_s"] is not None
+    assert healthz["worker"]["model_loaded"] is True and healthz["drivers"][0]["ping_age_s"] is not None
     readyz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10).read())
     assert readyz == {"ready": True, "model_loaded": True, "draining": False}
     cluster.executor.collective_rpc("echo", (1,), replica=0, timeout=30)

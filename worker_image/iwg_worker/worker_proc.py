@@ -2,18 +2,26 @@
 
 Start order: wrapper -> init_worker -> init_device (joins torch.distributed when world size > 1) ->
 load_model -> sockets -> hello -> busy loop. The busy loop reads calls from ``rpc_broadcast_mq`` (a DEALER
-connected to the driver's RPC endpoint), runs them one at a time, and hands replies to the output path
-(``worker_response_mq``, a PUSH connected to the driver's response endpoint). Under `MultiprocExecutor` a
-small reply is written straight into its reply FIFO instead (`executor.reply_pipe`), when that FIFO has room.
-A reply is sent straight from the busy loop only when that cannot block (nothing queued, a non-blocking send
-succeeds); otherwise the output thread sends it, so sending never holds up the next execution. The output thread also sends the
+connected to the driver's RPC endpoint; one per driver, see below), runs them one at a time, and hands
+replies to the output path (``worker_response_mq``, a PUSH connected to the driver's response endpoint). Under
+`MultiprocExecutor` a small reply is written straight into its reply FIFO instead (`executor.reply_pipe`),
+when that FIFO has room. A reply is sent straight from the busy loop only when that cannot block (nothing
+queued, a non-blocking send succeeds); otherwise the output thread sends it, so sending never holds up the
+next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
 finishes, a goodbye is sent, the process exits 0.
 
-Driver loss: the driver pings every member once per heartbeat interval. When no ping has come for
-``heartbeat_interval_s * DEFAULT_HEARTBEAT_MISSES`` the worker logs that its driver is lost and keeps its model
-loaded; ZMQ reconnects both sockets to the same endpoint (re-resolving its name), the heartbeats that keep
-going out introduce the worker to the driver that comes up there, and its first ping ends the loss.
+Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
+resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
+pod), again every heartbeat. The worker keeps one link (a DEALER and a PUSH) per driver, serves the calls of
+every link in turn and replies on the link the call came from; heartbeats, goodbyes and streamed output go
+to every link (a driver drops stream items of requests it does not know). A link whose address left the name
+is closed.
+
+Driver loss: a driver pings every member once per heartbeat interval. When no ping has come on a link for
+``heartbeat_interval_s * DEFAULT_HEARTBEAT_MISSES`` the worker logs that the driver is lost and keeps its model
+loaded; ZMQ reconnects the link's sockets to the same address, the heartbeats that keep going out introduce
+the worker to the driver that comes up there, and its first ping ends the loss.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,6 +41,7 @@ import uuid
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import zmq
 from iwg_operator.api import wiring
@@ -73,10 +83,15 @@ class WorkerProcConfig:
     reply_pipe: str = ""  # a MultiprocExecutor's FIFO for small replies
 
     def __post_init__(self) -> None:
-        for name, endpoint in (
-            (wiring.RPC_ENDPOINT, self.rpc_endpoint),
-            (wiring.RESPONSE_ENDPOINT, self.response_endpoint),
-        ):
+        rpc, response = self.rpc_endpoint.split(","), self.response_endpoint.split(",")
+        if len(rpc) != len(response):
+            raise ValueError(
+                f"{wiring.RPC_ENDPOINT} lists {len(rpc)} endpoints and {wiring.RESPONSE_ENDPOINT} {len(response)}: "
+                "one of each per driver"
+            )
+        for name, endpoint in [(wiring.RPC_ENDPOINT, e) for e in rpc] + [
+            (wiring.RESPONSE_ENDPOINT, e) for e in response
+        ]:
             if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{name} must be tcp://host:port or ipc://path, got {endpoint!r}")
             if endpoint.startswith("tcp://") and not self.curve_dir and not self.insecure_tcp:
@@ -154,6 +169,41 @@ class WorkerProcConfig:
         )
 
 
+def driver_endpoints(rpc_endpoints: str, response_endpoints: str) -> list[tuple[str, str]]:
+    """Every driver the endpoints name, as (rpc, response) pairs: a tcp host name resolves to one pair per
+    address it has; an address, ipc or inproc is itself. A name that does not resolve (yet) gives none."""
+    pairs: list[tuple[str, str]] = []
+    for rpc_endpoint, response_endpoint in zip(
+        rpc_endpoints.split(","), response_endpoints.split(","), strict=True
+    ):
+        if not rpc_endpoint.startswith("tcp://"):
+            pairs.append((rpc_endpoint, response_endpoint))
+            continue
+        rpc, response = urlsplit(rpc_endpoint), urlsplit(response_endpoint)
+        try:
+            infos = socket.getaddrinfo(rpc.hostname, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            continue
+        for address in sorted({str(info[4][0]) for info in infos}):
+            host = f"[{address}]" if ":" in address else address
+            pairs.append((f"tcp://{host}:{rpc.port}", f"tcp://{host}:{response.port}"))
+    return list(dict.fromkeys(pairs))
+
+
+@dataclass(eq=False, slots=True)
+class _DriverLink:
+    """One driver: calls and pings come in on ``rpc`` (DEALER), hello, heartbeats, replies and goodbye go out
+    on ``response`` (PUSH). Created and closed by the busy loop; ``response`` is used under the send lock."""
+
+    endpoints: tuple[str, str]
+    rpc: zmq.Socket[bytes]
+    response: zmq.Socket[bytes]
+    last_ping: float | None = None
+    lost: bool = False
+    last_call: int | None = None
+    closed: bool = False
+
+
 class _Metrics:
     def __init__(self, wrapper: WorkerWrapperBase) -> None:
         self.registry = CollectorRegistry()
@@ -206,10 +256,7 @@ class WorkerProc:
         self._stopping = threading.Event()
         self._loop_tick = time.monotonic()
         self._in_flight: tuple[str, float | None] | None = None
-        self._last_ping: float | None = None
-        self._driver_lost = False  # no ping for the heartbeat timeout; read and written by the output thread
         self._driver_timeout_s = config.heartbeat_interval_s * wiring.DEFAULT_HEARTBEAT_MISSES
-        self._last_call: int | None = None
         self._model_loaded = False
         self.health = HealthServer(
             config.health_host, config.health_port, self._liveness, self._readiness, self.metrics.registry
@@ -222,18 +269,16 @@ class WorkerProc:
 
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.routing_id = f"{self.replica}/{self.rank}/{uuid.uuid4().hex[:8]}".encode()
-        keys = CurveKeys.load(config.curve_dir) if config.curve_dir else None
-        self.rpc_broadcast_mq = self._context.socket(zmq.DEALER)
-        self.rpc_broadcast_mq.routing_id = self.routing_id
-        self.worker_response_mq = self._context.socket(zmq.PUSH)
-        for sock, endpoint in (
-            (self.rpc_broadcast_mq, config.rpc_endpoint),
-            (self.worker_response_mq, config.response_endpoint),
-        ):
-            sock.linger = 2000
-            if keys is not None and endpoint.startswith("tcp://"):
-                make_client(sock, keys)
-            sock.connect(endpoint)
+        self._keys = CurveKeys.load(config.curve_dir) if config.curve_dir else None
+        self._send_lock = threading.Lock()
+        # The drivers to link to (the resolver thread's latest answer) and the links (the busy loop's; a new
+        # list on every change, so other threads read a consistent one without a lock).
+        self._wanted: tuple[tuple[str, str], ...] = tuple(
+            driver_endpoints(config.rpc_endpoint, config.response_endpoint)
+        )
+        self.links: list[_DriverLink] = []
+        self._outbox: queue.SimpleQueue[tuple[_DriverLink, list[Any]] | None] = queue.SimpleQueue()
+        self._sync_links()
         self.ring = (
             shm_ring.RingReader(config.ring_path, config.ring_reader, config.ring_wake, config.ring_spin_s)
             if config.ring_path
@@ -241,13 +286,13 @@ class WorkerProc:
         )
         self.reply_pipe = reply_pipe.ReplyPipeWriter(config.reply_pipe) if config.reply_pipe else None
         self._overflowed: dict[int, protocol.Call] = {}  # calls too large for the ring, before their marker
-        self._send_lock = threading.Lock()
         self._output_closing = False
-        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
         self._output_thread.start()
+        if any(e.startswith("tcp://") for e in config.rpc_endpoint.split(",")):
+            resolver = threading.Thread(target=self._resolve_loop, name="iwg-resolver", daemon=True)
+            resolver.start()
         worker.set_stream_sink(self._emit_stream)
-        self._emit(self._hello("hello"), force_queue=True)
         log.info(
             "worker replica %d rank %d/%d ready on %s (%s), health on :%d",
             self.replica,
@@ -275,8 +320,14 @@ class WorkerProc:
             "alive": alive,
             "busy_loop_age_s": round(loop_age, 3),
             "in_flight": in_flight[0] if in_flight else None,
-            "driver_ping_age_s": None if self._last_ping is None else round(now - self._last_ping, 3),
-            "driver_connected": self._last_ping is not None and not self._driver_lost,
+            "drivers": [
+                {
+                    "endpoint": link.endpoints[0],
+                    "ping_age_s": None if link.last_ping is None else round(now - link.last_ping, 3),
+                    "connected": link.last_ping is not None and not link.lost,
+                }
+                for link in self.links
+            ],
             "replica": self.replica,
             "rank": self.rank,
             "worker": report,
@@ -315,75 +366,129 @@ class WorkerProc:
             )
         )
 
-    def _emit(self, frames: list[Any], force_queue: bool = False) -> None:
+    def _emit(self, frames: list[Any], link: _DriverLink, force_queue: bool = False) -> None:
         # Replies are matched by id, so the fast path may overtake a queued message without harm.
         if not force_queue and self._outbox.empty() and self._send_lock.acquire(blocking=False):
             try:
-                self.worker_response_mq.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                if link.closed:
+                    return
+                link.response.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
                 pass
             finally:
                 self._send_lock.release()
-        self._outbox.put(frames)
+        self._outbox.put((link, frames))
 
-    def _emit_reply(self, frames: list[Any]) -> None:
+    def _emit_reply(self, frames: list[Any], link: _DriverLink) -> None:
         """A reply: through the reply FIFO when there is one and the reply is one small frame (replies are
         matched by id, so it may overtake messages on the socket), else as `_emit`."""
         pipe = self.reply_pipe
         if pipe is not None and len(frames) == 1 and pipe.send(frames[0]):
             return
-        self._emit(frames)
+        self._emit(frames, link)
 
     def _emit_stream(self, items: list[dict[str, Any]]) -> None:
-        """One engine step's output of every running request: one message (called on the engine's thread)."""
-        self._emit(protocol.encode_stream(self.replica, self.rank, items))
+        """One engine step's output of every running request: one message to every driver (called on the
+        engine's thread); each driver takes the items of its own requests."""
+        frames = protocol.encode_stream(self.replica, self.rank, items)
+        for link in self.links:
+            self._emit(frames, link)
 
     def _output_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         next_beat = time.monotonic() + interval
         while True:
             try:
-                frames = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+                item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
-                frames = self._hello("heartbeat")
+                beat = self._hello("heartbeat")
                 next_beat = time.monotonic() + interval
-                self._watch_driver()
-            else:
-                if frames is None:
-                    return
-            self._send_blocking(frames)
+                for link in self.links:
+                    self._watch_driver(link)
+                    self._send_blocking(link, beat)
+                continue
+            if item is None:
+                return
+            self._send_blocking(*item)
 
-    def _watch_driver(self) -> None:
-        """Log the driver's loss (no ping for the heartbeat timeout) and its return (a ping again); the model
+    def _watch_driver(self, link: _DriverLink) -> None:
+        """Log a driver's loss (no ping for the heartbeat timeout) and its return (a ping again); the model
         stays loaded either way. Runs on the output thread once per heartbeat."""
-        last = self._last_ping
+        last = link.last_ping
         if last is None:
-            return  # no driver has reached this worker yet
+            return  # no driver has reached this worker on this link yet
         silent = time.monotonic() - last
-        if not self._driver_lost and silent > self._driver_timeout_s:
-            self._driver_lost = True
+        if not link.lost and silent > self._driver_timeout_s:
+            link.lost = True
             log.warning(
-                "driver lost: no ping for %.1f s; keeping the model loaded and waiting for a driver on %s",
+                "driver lost: no ping for %.1f s on %s; keeping the model loaded and waiting for a driver there",
                 silent,
-                self.config.rpc_endpoint,
+                link.endpoints[0],
             )
-        elif self._driver_lost and silent <= self._driver_timeout_s:
-            self._driver_lost = False
-            log.info("driver reached this worker again; serving it")
+        elif link.lost and silent <= self._driver_timeout_s:
+            link.lost = False
+            log.info("driver reached this worker again on %s; serving it", link.endpoints[0])
 
-    def _send_blocking(self, frames: list[Any]) -> None:
+    def _send_blocking(self, link: _DriverLink, frames: list[Any]) -> None:
+        """Send, waiting while the link's queue is full; a driver that takes nothing for the heartbeat
+        timeout (gone, or never there) loses the message rather than holding up the other links."""
+        give_up = time.monotonic() + self._driver_timeout_s
         while True:
             with self._send_lock:
+                if link.closed:
+                    return
                 try:
-                    self.worker_response_mq.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    link.response.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                     return
                 except zmq.Again:
                     pass
-            if self._output_closing:
-                log.warning("driver not accepting messages while stopping; dropping one")
+            if self._output_closing or link.lost or time.monotonic() > give_up:
+                log.warning("driver on %s not accepting messages; dropping one", link.endpoints[0])
                 return
             time.sleep(0.005)
+
+    # -- driver links ----------------------------------------------------------------------------------
+
+    def _resolve_loop(self) -> None:
+        """Resolve the drivers' names once per heartbeat; the busy loop links to what they name."""
+        while not self._stopping.wait(self.config.heartbeat_interval_s):
+            self._wanted = tuple(driver_endpoints(self.config.rpc_endpoint, self.config.response_endpoint))
+
+    def _sync_links(self) -> list[_DriverLink]:
+        """Open a link to each driver newly named, close those no longer named (busy loop thread)."""
+        wanted = self._wanted
+        links = self.links
+        if wanted == tuple(link.endpoints for link in links):
+            return links
+        kept = [link for link in links if link.endpoints in wanted]
+        for link in links:
+            if link.endpoints not in wanted:
+                log.info("driver at %s is no longer named; closing its link", link.endpoints[0])
+                with self._send_lock:
+                    link.closed = True
+                    link.rpc.close(linger=0)
+                    link.response.close(linger=0)
+        known = {link.endpoints for link in kept}
+        added = [self._open_link(pair) for pair in wanted if pair not in known]
+        self.links = kept + added
+        for link in added:
+            self._emit(self._hello("hello"), link, force_queue=True)
+        return self.links
+
+    def _open_link(self, endpoints: tuple[str, str]) -> _DriverLink:
+        rpc = self._context.socket(zmq.DEALER)
+        rpc.routing_id = self.routing_id
+        rpc.rcvtimeo = 100  # a waiting busy loop wakes up for SIGTERM, new drivers and a fresh liveness tick
+        response = self._context.socket(zmq.PUSH)
+        for sock, endpoint in zip((rpc, response), endpoints, strict=True):
+            sock.linger = 2000
+            if endpoint.startswith("tcp://["):
+                sock.ipv6 = True
+            if self._keys is not None and endpoint.startswith("tcp://"):
+                make_client(sock, self._keys)
+            sock.connect(endpoint)
+        return _DriverLink(endpoints, rpc, response)
 
     # -- busy loop -------------------------------------------------------------------------------------
 
@@ -391,28 +496,45 @@ class WorkerProc:
         if self.ring is not None:
             self._ring_busy_loop(self.ring)
             return
-        sock = self.rpc_broadcast_mq
-        sock.rcvtimeo = 100  # wake up to notice SIGTERM and to keep the liveness tick fresh
+        polled: list[_DriverLink] | None = None
+        poller = zmq.Poller()
+        by_socket: dict[zmq.Socket[bytes], _DriverLink] = {}
         while not self._stopping.is_set():
             self._loop_tick = time.monotonic()
-            try:
-                frames = self._recv_socket(0)
-            except zmq.Again:
+            links = self._sync_links()
+            if links is not polled:
+                polled, poller = links, zmq.Poller()
+                by_socket = {link.rpc: link for link in links}
+                for link in links:
+                    poller.register(link.rpc, zmq.POLLIN)
+            if not links:
+                self._stopping.wait(0.1)  # no driver named yet
                 continue
-            message = self._decode(frames)
-            if isinstance(message, protocol.Call):
-                self._serve(message)
-            elif message is not None:
-                self._reject_kind(message)
+            if len(links) == 1:
+                # One driver: wait in the socket itself (a poller costs more than the rest of a small call).
+                link = links[0]
+                with contextlib.suppress(zmq.Again):  # rcvtimeo: see _open_link
+                    self._take(link, 0)
+                continue
+            for sock, _event in poller.poll(100):
+                with contextlib.suppress(zmq.Again):
+                    self._take(by_socket[sock], zmq.NOBLOCK)
 
-    def _recv_socket(self, flags: int) -> list[Any]:
-        sock = self.rpc_broadcast_mq
+    def _take(self, link: _DriverLink, flags: int) -> None:
+        message = self._decode(self._recv_socket(link, flags), link)
+        if isinstance(message, protocol.Call):
+            self._serve(message, link)
+        elif message is not None:
+            self._reject_kind(message)
+
+    def _recv_socket(self, link: _DriverLink, flags: int) -> list[Any]:
+        sock = link.rpc
         frames: list[Any] = [sock.recv(flags)]  # the header is small: a copy beats a zmq.Frame
         while sock.getsockopt(zmq.RCVMORE):
             frames.append(sock.recv(copy=False))  # tensor frames arrive without a copy
         return frames
 
-    def _decode(self, frames: list[Any]) -> protocol.Message | None:
+    def _decode(self, frames: list[Any], link: _DriverLink) -> protocol.Message | None:
         """The message, or None after counting and logging a malformed one; pings are taken here."""
         try:
             message = protocol.decode(frames)
@@ -421,7 +543,7 @@ class WorkerProc:
             log.warning("rejected a malformed message (%d frames): %s", len(frames), exc)
             return None
         if isinstance(message, protocol.Ping):
-            self._last_ping = time.monotonic()
+            link.last_ping = time.monotonic()
             return None
         return message
 
@@ -435,8 +557,9 @@ class WorkerProc:
 
         After a message the loop polls the ring for ``spin_s``, then sleeps on the ring's wake-up FIFO and
         the socket (at most 100 ms, to notice SIGTERM and keep the liveness tick fresh), so an idle worker
-        uses no CPU to speak of."""
-        sock = self.rpc_broadcast_mq
+        uses no CPU to speak of. The ring's executor is the one driver: one link, never re-resolved."""
+        link = self.links[0]
+        sock = link.rpc
         # Sleep in the kernel on the FIFO and the socket's signalling descriptor. That descriptor only says
         # "look" (edge-like), so the loop reads the socket's EVENTS before every sleep, and after every wake.
         poller = select.poll()
@@ -462,7 +585,7 @@ class WorkerProc:
                 active = time.monotonic()
                 continue
             if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                self._take_socket_message()
+                self._take_socket_message(link)
                 continue
             held = ring.release_held()
             if now - active < ring.spin_s:
@@ -471,12 +594,12 @@ class WorkerProc:
             if ring.wait(0.001 if held else 0.1, also=sleep):  # held chunks: look again soon
                 active = time.monotonic()
 
-    def _take_socket_message(self) -> None:
+    def _take_socket_message(self, link: _DriverLink) -> None:
         try:
-            frames = self._recv_socket(zmq.NOBLOCK)
+            frames = self._recv_socket(link, zmq.NOBLOCK)
         except zmq.Again:
             return
-        message = self._decode(frames)
+        message = self._decode(frames, link)
         if isinstance(message, protocol.Call):
             if len(self._overflowed) >= 64:
                 self._overflowed.pop(next(iter(self._overflowed)))
@@ -485,22 +608,23 @@ class WorkerProc:
             self._reject_kind(message)
 
     def _serve_ring(self, message: shm_ring.RingMessage, ring: shm_ring.RingReader) -> None:
-        decoded = self._decode(message.frames)
+        link = self.links[0]
+        decoded = self._decode(message.frames, link)
         # Tensors decoded from the ring are views of it; without any, the chunk goes back before the call.
         released = message.release()
         if isinstance(decoded, protocol.Call):
-            self._serve(decoded)
+            self._serve(decoded, link)
         elif isinstance(decoded, protocol.Overflow):
-            call = self._await_overflowed(decoded.id)
+            call = self._await_overflowed(decoded.id, link)
             if call is not None:
-                self._serve(call)
+                self._serve(call, link)
         elif decoded is not None:
             self._reject_kind(decoded)
         del decoded
         if not released and not message.release():
             ring.hold(message)  # a result still being sent, or a tensor the worker kept: later
 
-    def _await_overflowed(self, call_id: int) -> protocol.Call | None:
+    def _await_overflowed(self, call_id: int, link: _DriverLink) -> protocol.Call | None:
         """Call ``call_id``, which the executor sent on the socket right after its ring marker."""
         deadline = time.monotonic() + OVERFLOW_WAIT_S
         while call_id not in self._overflowed:
@@ -509,18 +633,18 @@ class WorkerProc:
                 self.metrics.rejected.inc()
                 log.warning("call %d was announced in the ring but did not come on the socket", call_id)
                 return None
-            if self.rpc_broadcast_mq.poll(round(min(left, 0.1) * 1000)):
-                self._take_socket_message()
+            if link.rpc.poll(round(min(left, 0.1) * 1000)):
+                self._take_socket_message(link)
         return self._overflowed.pop(call_id)
 
-    def _serve(self, call: protocol.Call) -> None:
-        self._last_call = call.id
+    def _serve(self, call: protocol.Call, link: _DriverLink) -> None:
+        link.last_call = call.id
         replies = call.reply_rank is None or call.reply_rank == self.rank
         if call.deadline is not None and time.time() > call.deadline:
             error = protocol.RemoteErrorInfo(
                 "DeadlineExceeded", f"call {call.method!r} arrived after its deadline", ""
             )
-            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error), link)
             return
         label = call.method
         self._in_flight = (call.method, call.deadline)
@@ -533,7 +657,7 @@ class WorkerProc:
             self.metrics.for_method(label)[1].inc()
             log.exception("call %r (id %d) failed", call.method, call.id)
             error = protocol.RemoteErrorInfo(type(exc).__name__, str(exc), traceback.format_exc())
-            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error))
+            self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error), link)
             return
         finally:
             self._in_flight = None
@@ -548,7 +672,7 @@ class WorkerProc:
                     "TypeError", f"result of {call.method!r} cannot be sent: {exc}", traceback.format_exc()
                 )
                 frames = protocol.encode_reply(call.id, self.replica, self.rank, error=error)
-            self._emit_reply(frames)
+            self._emit_reply(frames, link)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -564,18 +688,25 @@ class WorkerProc:
 
     def close(self, reason: str) -> None:
         self._stopping.set()
-        self._emit(
-            protocol.encode_goodbye(self.replica, self.rank, reason, self._last_call), force_queue=True
-        )
+        links = self.links
+        for link in links:
+            self._emit(
+                protocol.encode_goodbye(self.replica, self.rank, reason, link.last_call),
+                link,
+                force_queue=True,
+            )
         self._output_closing = True
         self._outbox.put(None)
         self._output_thread.join(timeout=5)
-        self.rpc_broadcast_mq.close(linger=0)
         if self.ring is not None:
             self.ring.close()
         if self.reply_pipe is not None:
             self.reply_pipe.close()
-        self.worker_response_mq.close(linger=2000)
+        with self._send_lock:
+            for link in links:
+                link.closed = True
+                link.rpc.close(linger=0)
+                link.response.close(linger=2000)  # the goodbye still goes out
         self._context.term()
         self.health.stop()
         self.wrapper.require_worker().shutdown()

@@ -48,6 +48,7 @@ DEFAULT_WORKER_IMAGE = "ghcr.io/iwg-dev/iwg-worker:0.1.0"
 MAX_GROUP_NAME_LENGTH = 40
 MAX_REPLICAS = 1000
 MAX_WORLD_SIZE = 64
+MAX_DRIVER_REPLICAS = 5
 # The driver is one asyncio process (HTTP, batching, ZMQ): a core and 1Gi hold a full queue of requests.
 DEFAULT_DRIVER_CPU = "1"
 DEFAULT_DRIVER_MEMORY = "1Gi"
@@ -592,6 +593,15 @@ class DriverSpec(ApiModel):
         description=(
             f"HTTP port of the driver and its Service; not {wiring.DEFAULT_RPC_PORT} or "
             f"{wiring.DEFAULT_RESPONSE_PORT} (the driver's ZMQ ports)."
+        ),
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_DRIVER_REPLICAS,
+        description=(
+            "Driver pods behind the group's Service; every worker serves every driver. With more than one, a "
+            "PodDisruptionBudget keeps one during voluntary disruption and updates roll one pod at a time."
         ),
     )
     cpu: Quantity = Field(default=DEFAULT_DRIVER_CPU, description="CPU request and limit of the driver pod.")

@@ -1,7 +1,12 @@
 """Pure builders: (group spec, observed state) -> the Kubernetes objects the group should own."""
 
 from iwg_operator.builders.common import BuildSettings, Group, Manifest, pod_name
-from iwg_operator.builders.driver import driver_deployment, driver_service
+from iwg_operator.builders.driver import (
+    driver_deployment,
+    driver_disruption_budget,
+    driver_service,
+    drivers_service,
+)
 from iwg_operator.builders.gang import pod_group, pod_group_name, workload, workload_name
 from iwg_operator.builders.support import (
     config_map,
@@ -20,8 +25,10 @@ __all__ = [
     "config_map",
     "curve_secret",
     "driver_deployment",
+    "driver_disruption_budget",
     "driver_network_policy",
     "driver_service",
+    "drivers_service",
     "headless_service",
     "network_policy",
     "pod_disruption_budget",

@@ -53,6 +53,15 @@ def driver_name(group: str) -> str:
     return f"{group}-driver"
 
 
+def drivers_service_name(group: str) -> str:
+    """The headless Service of the driver pods: workers resolve it to every driver and connect to each."""
+    return f"{group}-drivers"
+
+
+def driver_pdb_name(group: str) -> str:
+    return f"{group}-driver"
+
+
 def headless_service_name(group: str) -> str:
     return f"{group}-workers"
 
@@ -74,7 +83,8 @@ def pdb_name(group: str) -> str:
 
 
 def driver_host(group: Group, settings: BuildSettings) -> str:
-    return f"{driver_name(group.name)}.{group.namespace}.svc.{settings.cluster_domain}"
+    """What workers connect to: the drivers' headless Service, whose name resolves to every driver pod."""
+    return f"{drivers_service_name(group.name)}.{group.namespace}.svc.{settings.cluster_domain}"
 
 
 def pod_host(group: Group, replica: int, rank: int, settings: BuildSettings) -> str:

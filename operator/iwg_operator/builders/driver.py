@@ -1,4 +1,5 @@
-"""The group's driver: a one-pod Deployment (command `iwg-driver`) and its Service."""
+"""The group's driver: a Deployment of `spec.driver.replicas` pods (command `iwg-driver`), the Service clients
+use, the headless Service workers resolve to reach every driver, and the drivers' PodDisruptionBudget."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from iwg_operator.builders.common import (
     Group,
     Manifest,
     driver_name,
+    driver_pdb_name,
+    drivers_service_name,
     field_env,
     metadata,
     model_env,
@@ -89,14 +92,18 @@ def driver_deployment(group: Group) -> Manifest:
             *model_mounts,
         ],
     }
+    replicas = spec.driver.replicas
     manifest: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(group, name, labels.COMPONENT_DRIVER),
         "spec": {
-            "replicas": 1,
-            # One driver owns the group's sockets: never two at once.
-            "strategy": {"type": "Recreate"},
+            "replicas": replicas,
+            # One driver: replaced, not doubled (its clients see one restart). Several: one new pod at a time,
+            # none taken away before its replacement is Ready, so the others keep serving.
+            "strategy": {"type": "Recreate"}
+            if replicas == 1
+            else {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels.driver_selector(group.name)},
             "template": {
                 "metadata": {"labels": pod_labels},
@@ -130,14 +137,51 @@ def driver_service(group: Group) -> Manifest:
             "selector": labels.driver_selector(group.name),
             "ports": [
                 {"name": "http", "port": group.spec.driver.port, "targetPort": "http", "protocol": "TCP"},
-                {"name": "rpc", "port": wiring.DEFAULT_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"},
-                {
-                    "name": "response",
-                    "port": wiring.DEFAULT_RESPONSE_PORT,
-                    "targetPort": "response",
-                    "protocol": "TCP",
-                },
+                *_zmq_ports(),
             ],
         },
     }
     return with_spec_hash(manifest)
+
+
+def drivers_service(group: Group) -> Manifest:
+    """Headless, and listing drivers before they are Ready: a driver is Ready only once workers joined it."""
+    manifest: Manifest = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(group, drivers_service_name(group.name), labels.COMPONENT_DRIVER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels.driver_selector(group.name),
+            "ports": [
+                *_zmq_ports(),
+            ],
+        },
+    }
+    return with_spec_hash(manifest)
+
+
+def driver_disruption_budget(group: Group) -> Manifest:
+    """With several drivers a voluntary disruption (a node drain) keeps one; a single driver is not held
+    (minAvailable 0), so that draining its node is never blocked."""
+    minimum = 1 if group.spec.driver.replicas > 1 else 0
+    manifest: Manifest = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(group, driver_pdb_name(group.name), labels.COMPONENT_DRIVER),
+        "spec": {"minAvailable": minimum, "selector": {"matchLabels": labels.driver_selector(group.name)}},
+    }
+    return with_spec_hash(manifest)
+
+
+def _zmq_ports() -> list[Manifest]:
+    return [
+        {"name": "rpc", "port": wiring.DEFAULT_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"},
+        {
+            "name": "response",
+            "port": wiring.DEFAULT_RESPONSE_PORT,
+            "targetPort": "response",
+            "protocol": "TCP",
+        },
+    ]

@@ -143,17 +143,21 @@ class Wiring:
     """A group wired as the operator wires pods: `iwg-driver` (ClusterExecutor, tcp + CURVE on loopback ports)
     and one `iwg-worker` environment per replica (MiniLM, CPU), all in ``tmp``."""
 
-    url: str
-    driver_env: dict[str, str]
+    urls: list[str]  # one per driver
+    driver_envs: list[dict[str, str]]
     worker_envs: dict[int, dict[str, str]]
     tmp: Path
 
-    def start_driver(self) -> tuple[subprocess.Popen[bytes], Path]:
-        log = self.tmp / f"driver-{time.monotonic_ns()}.log"
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def start_driver(self, index: int = 0) -> tuple[subprocess.Popen[bytes], Path]:
+        log = self.tmp / f"driver-{index}-{time.monotonic_ns()}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "iwg_worker.driver.main"],
-                env=self.driver_env,
+                env=self.driver_envs[index],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -161,8 +165,11 @@ class Wiring:
         return proc, log
 
 
-def wire_group(tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: float) -> Wiring:
-    """``replicas`` worker environments; the driver admits replica indices below ``bound``."""
+def wire_group(
+    tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: float, drivers: int = 1
+) -> Wiring:
+    """``replicas`` worker environments, each linked to every one of ``drivers`` drivers; a driver admits
+    replica indices below ``bound``."""
     from iwg_operator.api import wiring
     from iwg_worker.executor.multiproc import worker_env
     from iwg_worker.security import CurveKeys
@@ -171,9 +178,43 @@ def wire_group(tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: flo
     curve = CurveKeys.generate().save(tmp / "curve")
     token = tmp / "admin-token"
     token.write_text(ADMIN_TOKEN)
-    rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
     base = {**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"}
-    driver_env = {
+    driver_envs, urls = [], []
+    for _ in range(drivers):
+        rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+        driver_envs.append(_driver_env(base, name, bound, heartbeat_s, rpc, response, http, curve, token))
+        urls.append(f"http://127.0.0.1:{http}")
+    rpcs = ",".join(e[wiring.RPC_ENDPOINT] for e in driver_envs)
+    responses = ",".join(e[wiring.RESPONSE_ENDPOINT] for e in driver_envs)
+    worker_envs = {}
+    for replica in range(replicas):
+        config = WorkerConfig(
+            task="embed",
+            model_path=minilm_path(),
+            served_name="minilm",
+            device="cpu",
+            group=name,
+            replica=replica,
+        )
+        env = worker_env(config, rpcs, responses, curve_dir=str(curve), heartbeat_interval_s=heartbeat_s)
+        worker_envs[replica] = {**base, **env}
+    return Wiring(urls, driver_envs, worker_envs, tmp)
+
+
+def _driver_env(
+    base: dict[str, str],
+    name: str,
+    bound: int,
+    heartbeat_s: float,
+    rpc: str,
+    response: str,
+    http: int,
+    curve: Path,
+    token: Path,
+) -> dict[str, str]:
+    from iwg_operator.api import wiring
+
+    return {
         **base,
         wiring.GROUP: name,
         wiring.REPLICAS: str(bound),
@@ -191,16 +232,3 @@ def wire_group(tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: flo
         wiring.MAX_BATCH_SIZE: "4",
         wiring.MAX_WAIT_MS: "5",
     }
-    worker_envs = {}
-    for replica in range(replicas):
-        config = WorkerConfig(
-            task="embed",
-            model_path=minilm_path(),
-            served_name="minilm",
-            device="cpu",
-            group=name,
-            replica=replica,
-        )
-        env = worker_env(config, rpc, response, curve_dir=str(curve), heartbeat_interval_s=heartbeat_s)
-        worker_envs[replica] = {**base, **env}
-    return Wiring(f"http://127.0.0.1:{http}", driver_env, worker_envs, tmp)

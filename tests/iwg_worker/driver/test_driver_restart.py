@@ -155,3 +155,75 @@ async def _restart(
                 assert "driver reached this worker again" in text, text[-3000:]
         finally:
             assert stop(second) == 0, second_log.read_text()[-3000:]
+
+
+def test_every_worker_serves_every_driver_and_one_driver_dying_leaves_the_other_serving(
+    tmp_path: Path,
+) -> None:
+    wired = wire_group(tmp_path, "twins", replicas=1, bound=1, heartbeat_s=HEARTBEAT_S, drivers=2)
+    drivers = [wired.start_driver(i) for i in (0, 1)]
+    worker_log = tmp_path / "worker-0.log"
+    worker = launch_worker(wired.worker_envs[0], worker_log)
+    try:
+        for (proc, log), url in zip(drivers, wired.urls, strict=True):
+            wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
+        asyncio.run(_twins(wired, drivers[0][0], worker, worker_log))
+    finally:
+        stop(worker, timeout=15)
+        for proc, log in drivers:
+            if proc.poll() is None:
+                assert stop(proc) == 0, log.read_text()[-3000:]
+
+
+async def _twins(
+    wired: Wiring, first: subprocess.Popen[bytes], worker: subprocess.Popen[bytes], worker_log: Path
+) -> None:
+    pid = worker.pid
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # The one worker answers both drivers, the same vectors for the same texts, concurrently.
+        both = await asyncio.gather(*(embed(session, url, text) for text in TEXTS for url in wired.urls))
+        assert all(status == 200 for status, _ in both)
+        reference = {text: both[2 * i][1] for i, text in enumerate(TEXTS)}
+        for i, text in enumerate(TEXTS):
+            assert float(np.dot(reference[text], both[2 * i + 1][1])) >= 0.9999, text
+
+        answers: list[tuple[str, np.ndarray]] = []
+        failures: list[str] = []
+        stop_load = asyncio.Event()
+
+        async def client(index: int) -> None:
+            n = 0
+            while not stop_load.is_set():
+                text = TEXTS[(index * 5 + n) % len(TEXTS)]
+                n += 1
+                try:
+                    status, vector = await embed(session, wired.urls[1], text)
+                except Exception as error:
+                    failures.append(f"{type(error).__name__}: {error}")
+                    continue
+                if status == 200 and vector is not None:
+                    answers.append((text, vector))
+                else:
+                    failures.append(f"HTTP {status}")
+
+        clients = [asyncio.create_task(client(i)) for i in range(4)]
+        await asyncio.sleep(1.0)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        killed = time.monotonic()
+        while LOST not in worker_log.read_text(errors="replace"):
+            assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 2 * HEARTBEAT_S + 1.0
+            await asyncio.sleep(0.05)
+        answered_at_loss = len(answers)
+        await asyncio.sleep(2.0)
+        stop_load.set()
+        await asyncio.wait_for(asyncio.gather(*clients), CLIENT_TIMEOUT_S + 10)
+
+    print(f"second driver: {len(answers)} answered, {len(failures)} failed, around the first one's SIGKILL")
+    assert failures == [], failures[:5]
+    assert len(answers) > answered_at_loss > 0
+    for text, vector in answers:
+        assert float(np.dot(reference[text], vector)) >= 0.9999, text
+    assert worker.pid == pid and worker.poll() is None
+    assert worker_log.read_text(errors="replace").count(LOADED) == 1
