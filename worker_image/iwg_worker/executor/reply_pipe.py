@@ -56,7 +56,10 @@ class ReplyPipeWriter:
         return True
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Idempotent: a worker's shutdown paths may each close it."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class ReplyPipeReader:
@@ -113,5 +116,8 @@ class ReplyPipeReader:
                 return
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Idempotent, like the writer's."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
         Path(self.path).unlink(missing_ok=True)
