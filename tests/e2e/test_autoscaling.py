@@ -149,8 +149,11 @@ def test_streaming_chat_load_scales_a_generation_group_on_requests_waiting_and_b
     time.sleep(DOWN_WINDOW_S)
     assert timeline.current() == 1, "one client streaming at a time leaves nothing waiting: no scale-up"
 
-    heavy = ChatLoad(address, model, clients=7, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S)
+    # Ten heavy streams: six wait on one replica; on two (eight run at once) two still wait, one per replica,
+    # which is the target, so the group holds at two until the load stops (seven would leave nothing waiting
+    # on two replicas, and the scale-down window would start while the load still ran).
+    heavy = ChatLoad(address, model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S)
     messages = step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
-    assert heavy.ok >= 7 and light.ok >= 3
+    assert heavy.ok >= 10 and light.ok >= 3
     assert all("requestsWaiting" in m for m in messages), messages
     assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages
