@@ -219,8 +219,8 @@ BAD_REQUESTS: list[tuple[str, bytes | str | None, str, str, int, list[str], str 
         "model",
     ),
     (
-        "completions n=2",
-        j(model=MODEL, prompt="hi", n=2),
+        "completions n=17",
+        j(model=MODEL, prompt="hi", n=17),
         "POST",
         "/v1/completions",
         400,
