@@ -138,8 +138,10 @@ def test_driver_deployment_and_service() -> None:
     assert env[wiring.RPC_ENDPOINT] == f"tcp://$({wiring.POD_IP}):{wiring.DEFAULT_RPC_PORT}"
     service = builders.driver_service(g)
     assert service["metadata"]["name"] == "g-driver"
-    assert {p["port"] for p in service["spec"]["ports"]} == {
-        9000,
+    # Clients' HTTP only: workers reach the drivers through the drivers' headless Service.
+    assert {p["port"] for p in service["spec"]["ports"]} == {9000}
+    drivers = builders.drivers_service(g)
+    assert {p["port"] for p in drivers["spec"]["ports"]} == {
         wiring.DEFAULT_RPC_PORT,
         wiring.DEFAULT_RESPONSE_PORT,
     }

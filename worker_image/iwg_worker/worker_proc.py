@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, cast
@@ -286,6 +287,10 @@ class WorkerProc:
         )
         self.reply_pipe = reply_pipe.ReplyPipeWriter(config.reply_pipe) if config.reply_pipe else None
         self._overflowed: dict[int, protocol.Call] = {}  # calls too large for the ring, before their marker
+        # Generation requests by the driver link that started them: a step's items go to their own driver,
+        # and a driver's requests are cancelled when it is lost (no reader is left for them).
+        self._stream_links: dict[str, _DriverLink] = {}
+        self._stream_lock = threading.Lock()
         self._output_closing = False
         self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
         self._output_thread.start()
@@ -389,11 +394,50 @@ class WorkerProc:
         self._emit(frames, link)
 
     def _emit_stream(self, items: list[dict[str, Any]]) -> None:
-        """One engine step's output of every running request: one message to every driver (called on the
-        engine's thread); each driver takes the items of its own requests."""
-        frames = protocol.encode_stream(self.replica, self.rank, items)
-        for link in self.links:
-            self._emit(frames, link)
+        """One engine step's output of every running request (called on the engine's thread): one message to
+        each driver with items of its own requests (an item of a request no link is known for goes to all)."""
+        by_link: dict[int, tuple[_DriverLink | None, list[dict[str, Any]]]] = {}
+        with self._stream_lock:
+            for item in items:
+                ended = item.get("finish_reason") is not None or item.get("error") is not None
+                rid: str = item["id"]
+                owner = self._stream_links.pop(rid, None) if ended else self._stream_links.get(rid)
+                by_link.setdefault(id(owner), (owner, []))[1].append(item)
+        for owner, owned in by_link.values():
+            frames = protocol.encode_stream(self.replica, self.rank, owned)
+            for link in [owner] if owner is not None else self.links:
+                self._emit(frames, link)
+
+    def _own_streams(self, call: protocol.Call, link: _DriverLink) -> None:
+        """Remember which driver starts the generation requests of an ``engine_add`` call."""
+        requests = call.args[0] if call.args else None
+        if not isinstance(requests, list):
+            return
+        with self._stream_lock:
+            for request in requests:
+                if isinstance(request, dict) and isinstance(request.get("id"), str):
+                    self._stream_links[request["id"]] = link
+
+    def _disown(self, request_ids: Iterable[str]) -> None:
+        """Forget requests the engine refused (they never stream)."""
+        with self._stream_lock:
+            for rid in request_ids:
+                self._stream_links.pop(rid, None)
+
+    def _cancel_streams_of(self, link: _DriverLink) -> None:
+        """A driver is gone: its generation requests stop on this worker (their cache is freed)."""
+        with self._stream_lock:
+            ids = [rid for rid, owner in self._stream_links.items() if owner is link]
+            for rid in ids:
+                del self._stream_links[rid]
+        if ids:
+            log.warning(
+                "cancelling %d generation requests of the lost driver on %s", len(ids), link.endpoints[0]
+            )
+            try:
+                self.wrapper.execute_method("engine_cancel", (ids,), {})
+            except Exception:
+                log.exception("cancelling the lost driver's generation requests failed")
 
     def _output_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -426,6 +470,7 @@ class WorkerProc:
                 silent,
                 link.endpoints[0],
             )
+            self._cancel_streams_of(link)
         elif link.lost and silent <= self._driver_timeout_s:
             link.lost = False
             log.info("driver reached this worker again on %s; serving it", link.endpoints[0])
@@ -469,6 +514,7 @@ class WorkerProc:
                     link.closed = True
                     link.rpc.close(linger=0)
                     link.response.close(linger=0)
+                self._cancel_streams_of(link)
         known = {link.endpoints for link in kept}
         added = [self._open_link(pair) for pair in wanted if pair not in known]
         self.links = kept + added
@@ -647,6 +693,9 @@ class WorkerProc:
             self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error), link)
             return
         label = call.method
+        tracks_streams = call.method == "engine_add" and replies  # the answering rank is the one that streams
+        if tracks_streams:
+            self._own_streams(call, link)
         self._in_flight = (call.method, call.deadline)
         started = time.perf_counter()
         try:
@@ -664,6 +713,12 @@ class WorkerProc:
             requests, _errors, step = self.metrics.for_method(label)
             requests.inc()
             step.observe(time.perf_counter() - started)
+        if tracks_streams and isinstance(result, list):
+            self._disown(
+                answer["id"]
+                for answer in result
+                if isinstance(answer, dict) and not answer.get("ok") and isinstance(answer.get("id"), str)
+            )
         if replies:
             try:
                 frames = protocol.encode_reply(call.id, self.replica, self.rank, result=result)

@@ -137,7 +137,6 @@ def driver_service(group: Group) -> Manifest:
             "selector": labels.driver_selector(group.name),
             "ports": [
                 {"name": "http", "port": group.spec.driver.port, "targetPort": "http", "protocol": "TCP"},
-                *_zmq_ports(),
             ],
         },
     }
@@ -154,9 +153,7 @@ def drivers_service(group: Group) -> Manifest:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": labels.driver_selector(group.name),
-            "ports": [
-                *_zmq_ports(),
-            ],
+            "ports": _zmq_ports(),
         },
     }
     return with_spec_hash(manifest)

@@ -166,10 +166,17 @@ class Wiring:
 
 
 def wire_group(
-    tmp: Path, name: str, replicas: int, bound: int, heartbeat_s: float, drivers: int = 1
+    tmp: Path,
+    name: str,
+    replicas: int,
+    bound: int,
+    heartbeat_s: float,
+    drivers: int = 1,
+    generate: bool = False,
 ) -> Wiring:
     """``replicas`` worker environments, each linked to every one of ``drivers`` drivers; a driver admits
-    replica indices below ``bound``."""
+    replica indices below ``bound``. The model: MiniLM embeddings, or with ``generate`` SmolLM2 (served as
+    ``smollm2``, a KV cache of 64 blocks)."""
     from iwg_operator.api import wiring
     from iwg_worker.executor.multiproc import worker_env
     from iwg_worker.security import CurveKeys
@@ -182,20 +189,36 @@ def wire_group(
     driver_envs, urls = [], []
     for _ in range(drivers):
         rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
-        driver_envs.append(_driver_env(base, name, bound, heartbeat_s, rpc, response, http, curve, token))
+        env = _driver_env(base, name, bound, heartbeat_s, rpc, response, http, curve, token)
+        if generate:
+            env |= {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "smollm2"}
+        driver_envs.append(env)
         urls.append(f"http://127.0.0.1:{http}")
     rpcs = ",".join(e[wiring.RPC_ENDPOINT] for e in driver_envs)
     responses = ",".join(e[wiring.RESPONSE_ENDPOINT] for e in driver_envs)
     worker_envs = {}
     for replica in range(replicas):
-        config = WorkerConfig(
-            task="embed",
-            model_path=minilm_path(),
-            served_name="minilm",
-            device="cpu",
-            group=name,
-            replica=replica,
-        )
+        if generate:
+            from tests.models import smollm2_dir
+
+            config = WorkerConfig(
+                task="generate",
+                model_path=str(smollm2_dir()),
+                served_name="smollm2",
+                device="cpu",
+                group=name,
+                replica=replica,
+                kv_cache_blocks=64,
+            )
+        else:
+            config = WorkerConfig(
+                task="embed",
+                model_path=minilm_path(),
+                served_name="minilm",
+                device="cpu",
+                group=name,
+                replica=replica,
+            )
         env = worker_env(config, rpcs, responses, curve_dir=str(curve), heartbeat_interval_s=heartbeat_s)
         worker_envs[replica] = {**base, **env}
     return Wiring(urls, driver_envs, worker_envs, tmp)

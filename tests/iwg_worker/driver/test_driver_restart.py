@@ -227,3 +227,57 @@ async def _twins(
         assert float(np.dot(reference[text], vector)) >= 0.9999, text
     assert worker.pid == pid and worker.poll() is None
     assert worker_log.read_text(errors="replace").count(LOADED) == 1
+
+
+async def running(session: aiohttp.ClientSession, url: str) -> float:
+    """The driver's count of generation requests running on its replicas' engines."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("iwg_requests_running ")
+    )
+
+
+def test_a_lost_drivers_generation_requests_are_cancelled_on_the_worker(tmp_path: Path) -> None:
+    wired = wire_group(
+        tmp_path, "pair", replicas=1, bound=1, heartbeat_s=HEARTBEAT_S, drivers=2, generate=True
+    )
+    drivers = [wired.start_driver(i) for i in (0, 1)]
+    worker_log = tmp_path / "worker-0.log"
+    worker = launch_worker(wired.worker_envs[0], worker_log)
+    try:
+        for (proc, log), url in zip(drivers, wired.urls, strict=True):
+            wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
+        asyncio.run(_orphans(wired, drivers[0][0], worker_log))
+    finally:
+        stop(worker, timeout=15)
+        for proc, log in drivers:
+            if proc.poll() is None:
+                assert stop(proc) == 0, log.read_text()[-3000:]
+
+
+async def _orphans(wired: Wiring, first: subprocess.Popen[bytes], worker_log: Path) -> None:
+    body = {"model": "smollm2", "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True}
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A long stream through the first driver; the second sees it running on the worker's engine.
+        resp = await session.post(f"{wired.urls[0]}/v1/completions", json={**body, "stream": True})
+        assert resp.status == 200
+        await resp.content.readline()
+        deadline = time.monotonic() + 30
+        while await running(session, wired.urls[1]) < 1:
+            assert time.monotonic() < deadline, "the second driver never saw the stream running"
+            await asyncio.sleep(0.2)
+        first.send_signal(signal.SIGKILL)  # nobody is left to read or cancel that stream
+        first.wait()
+        killed = time.monotonic()
+        resp.close()
+        # The worker cancels the lost driver's request when it notices the loss, not 2000 tokens later.
+        while await running(session, wired.urls[1]) > 0:
+            assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 10, "the orphaned stream still runs"
+            await asyncio.sleep(0.2)
+        assert "cancelling 1 generation requests of the lost driver" in worker_log.read_text(errors="replace")
+        # The second driver's own streams are its own, whole.
+        async with session.post(f"{wired.urls[1]}/v1/completions", json={**body, "max_tokens": 5}) as answer:
+            payload = await answer.json()
+            assert answer.status == 200 and payload["usage"]["completion_tokens"] == 5, payload
