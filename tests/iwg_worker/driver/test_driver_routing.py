@@ -84,6 +84,24 @@ async def test_least_loaded_replica_is_chosen() -> None:
         await asyncio.gather(first, second)
 
 
+async def test_other_drivers_requests_on_a_replica_count_as_its_load() -> None:
+    pool = FakePool(replicas=3)
+    async with serve(pool) as (_client, driver):
+        router = driver.router
+        with router.claim(0):
+            # Replica 0's engine holds 3 requests: ours and two of other drivers; replica 1's holds 1 of theirs.
+            router.observe_engine(0, 3)
+            router.observe_engine(1, 1)
+            assert [r["other_drivers_requests"] for r in router.snapshot()] == [2, 1, 0]
+            assert router.pick() == 2
+            router.observe_engine(2, 4)
+            assert router.pick() == 1
+            router.observe_engine(1, 5)
+            assert router.pick() == 0  # 1 ours + 2 theirs, against 5 and 4 of theirs
+        pool.set_state(1, ReplicaState.DEAD)  # a replica that left forgets what was counted on it
+        assert [r["other_drivers_requests"] for r in router.snapshot()] == [2, 0, 4]
+
+
 async def test_batch_of_a_dying_replica_is_retried_once_on_another() -> None:
     pool = FakePool(replicas=2)
     pool.replicas[0].fail_next = 1

@@ -1,5 +1,11 @@
 """Routing batches to replicas: least loaded first, one retry on another replica, drain.
 
+"Load" is what this driver has in flight on a replica plus, for generation, the requests other drivers have
+on it: with several drivers every worker serves all of them, so a driver counting only its own streams would
+pile its requests onto a replica the others already fill. The stats poller (`GenerationService.poll_stats`)
+reads each engine's count of open requests and tells the router (`observe_engine`); what exceeds this
+driver's own count on that replica belongs to the other drivers.
+
 Every queued input's future is resolved exactly once, here: with its result, or with the error that ended
 its batch. A reply that arrives after its batch was given up on is dropped by the pool (replies are matched
 by request id), so no input is answered twice.
@@ -50,6 +56,7 @@ class Router:
         self.no_replica_grace_s = no_replica_grace_s
         self._states: dict[int, ReplicaState] = dict(pool.states())
         self._inflight: dict[int, int] = {}
+        self._elsewhere: dict[int, int] = {}  # requests of other drivers on each replica, as last reported
         self._draining: set[int] = set()
         self._changed = asyncio.Event()
         self._batch_seconds = 0.05  # running estimate, for Retry-After
@@ -70,6 +77,7 @@ class Router:
                 "replica": r,
                 "state": self._state_name(r),
                 "inflight_batches": self._inflight.get(r, 0),
+                "other_drivers_requests": self._elsewhere.get(r, 0),
             }
             for r in sorted(self._states)
         ]
@@ -92,6 +100,7 @@ class Router:
         if event.state is ReplicaState.DEAD:
             # A drained replica that left ends its drain: when its index comes back (a scale-up), it serves.
             self._draining.discard(event.replica)
+            self._elsewhere.pop(event.replica, None)
         if previous is not event.state:
             log.info("replica %d: %s -> %s %s", event.replica, previous, event.state.value, event.reason)
         self._publish(event.replica)
@@ -116,7 +125,13 @@ class Router:
         ]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (self._inflight.get(r, 0), r))
+        return min(candidates, key=lambda r: (self._inflight.get(r, 0) + self._elsewhere.get(r, 0), r))
+
+    def observe_engine(self, replica: int, open_requests: int) -> None:
+        """`replica`'s engine holds `open_requests` requests of every driver; those beyond this driver's own
+        are other drivers' load, counted when choosing until the next report."""
+        if replica in self._states:
+            self._elsewhere[replica] = max(0, open_requests - self._inflight.get(replica, 0))
 
     def has_slot(self) -> bool:
         return self.pick() is not None

@@ -1,6 +1,7 @@
 """Generation requests at the driver: each one streamed from one replica's engine, token by token.
 
-`GenerationService.stream` picks the serving replica with the fewest running streams, starts the request on
+`GenerationService.stream` picks the serving replica with the fewest open requests (this driver's, and other
+drivers' as the engine last reported them: see `Router.observe_engine`), starts the request on
 its engine and yields the engine's items as they come. What may happen to a request:
 
 - the engine refuses it (prompt beyond the context, a token id outside the vocabulary, ...): `ApiError` 400
@@ -168,6 +169,14 @@ class GenerationService:
                 except Exception as exc:
                     log.debug("engine stats of replica %d: %s", replica, exc)
                     continue
+                self.router.observe_engine(
+                    replica,
+                    int(
+                        stats.get(
+                            "streams", stats.get("requests_running", 0) + stats.get("requests_waiting", 0)
+                        )
+                    ),
+                )
                 running += int(stats.get("requests_running", 0))
                 waiting += int(stats.get("requests_waiting", 0))
                 usages.append(float(stats.get("kv_cache_usage", 0.0)))
