@@ -5,12 +5,15 @@ stated tolerance, and each rank holds about a third of the weights."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from iwg_operator.api import wiring
 from iwg_worker.engine.engine import GenerationEngine
+from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
 from iwg_worker.models.sharding import local_parameter_bytes
 from iwg_worker.worker_base import WorkerConfig
@@ -25,6 +28,8 @@ MAX_TOKENS = 6
 TOP = 3
 # float32 on CPU: the sharded matmuls sum their three partial products in another order than the whole one.
 LOGPROB_TOLERANCE = 1e-3
+# A rank that dies is noticed by its process's exit (the executor's tick), well within the heartbeat timeout.
+HEARTBEAT_TIMEOUT_S = wiring.DEFAULT_HEARTBEAT_INTERVAL_S * wiring.DEFAULT_HEARTBEAT_MISSES
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +117,42 @@ def test_each_rank_holds_about_a_third_of_the_weights(
     assert len(ranks) == WORLD
     for held in ranks:
         assert whole / WORLD * 0.95 <= held <= whole / WORLD * 1.1, (held, whole)
+
+
+def test_a_rank_killed_mid_stream_fails_the_request_with_a_clear_error_and_the_replica_restarts(
+    sharded: MultiprocExecutor, reference: tuple[Any, Any]
+) -> None:
+    """Last in this module: it kills a rank of the shared executor."""
+    request = {
+        "id": "tp-killed",
+        "prompt_ids": chat_ids(reference[1], QUESTIONS[0]),
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+
+    async def run() -> tuple[BaseException, float, int]:
+        stream, answer = await sharded.open_stream(request, replica=0, timeout=60)
+        assert answer["ok"], answer
+        received = 0
+        killed = 0.0
+        try:
+            async for item in stream:
+                received += len(item["tokens"])
+                if not killed:
+                    sharded.worker_process(0, 1).process.kill()  # SIGKILL: no goodbye
+                    killed = time.monotonic()
+        except Exception as error:
+            return error, time.monotonic() - killed, received
+        raise AssertionError(f"the stream ended normally after {received} tokens with rank 1 killed")
+
+    error, after, received = asyncio.run(run())
+    print(f"rank 1 SIGKILLed: the request failed {after:.2f} s later, after {received} tokens: {error}")
+    assert isinstance(error, ReplicaLostError), repr(error)
+    assert error.replica == 0 and error.ranks == [1], str(error)
+    assert after < HEARTBEAT_TIMEOUT_S
+    assert received < request["max_tokens"]
+    # Its peers cannot take a new member into their torch.distributed group: the whole replica restarts.
+    deadline = time.monotonic() + 60
+    while sharded.restarts(0) < 1:
+        assert time.monotonic() < deadline, "the replica was not restarted"
+        time.sleep(0.2)
