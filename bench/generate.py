@@ -9,7 +9,8 @@ all measured in one run on the same prompts.
   worker, the requests added at once, tokens streamed back;
 - iwg serve: N concurrent streamed `/v1/completions` requests over HTTP (driver + one worker process + ZMQ);
 - iwg serve, chat: the same prompts' text as N streamed `/v1/chat/completions` requests (rendered with the
-  model's chat template by the worker: a few more prompt tokens each);
+  model's chat template by the worker: a few more prompt tokens each), against its own baseline "direct, chat
+  prompts": transformers' engine on the very tokens the worker renders for those chats;
 - one at a time: `model.generate` on one prompt after another (what `generate` did before the engine), on
   ``--serial-prompts`` prompts: its rate does not depend on how many streams wait;
 - per-step overhead of the Multiproc executor: the same engine (the worker's own `GenerationEngine`, same
@@ -321,7 +322,7 @@ def main() -> None:
     parser.add_argument("--executor-streams", type=int, default=32)
     parser.add_argument("--executor-prompt-tokens", type=int, default=64)
     parser.add_argument("--executor-output-tokens", type=int, default=32)
-    parser.add_argument("--executor-rounds", type=int, default=2)
+    parser.add_argument("--executor-rounds", type=int, default=2, help="0: no executor rows")
     parser.add_argument(
         "--executors-only",
         action="store_true",
@@ -334,6 +335,7 @@ def main() -> None:
     levels = [int(x) for x in args.streams.split(",")]
 
     import torch
+    from iwg_worker.engine.engine import render_chat
     from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
     from tests.iwg_worker.driver import conftest
@@ -349,29 +351,34 @@ def main() -> None:
         f"# SmolLM2-135M-Instruct float32 on CPU ({os.cpu_count()} cores), load average {os.getloadavg()[0]:.1f}"
     )
     print(f"# prompts {PROMPT_TOKENS} tokens (cycled), greedy\n")
-    uni, multi = executor_overhead(
-        model_dir,
-        [p[-args.executor_prompt_tokens :] for p in prompts[: args.executor_streams]],
-        args.executor_output_tokens,
-        args.executor_rounds,
-    )
-    print("\n| executor | streams | steps | output tokens/s | ms per step | per-step vs UniProc |")
-    print("|---|---|---|---|---|---|")
-    for name, run in (("UniProc (in-process)", uni), ("Multiproc (1 worker process)", multi)):
-        print(
-            f"| {name} | {args.executor_streams} | {run.steps} | {run.tokens / run.seconds:.1f} "
-            f"| {run.step_s * 1e3:.1f} | {run.step_s / uni.step_s:.3f}x |"
+    if args.executor_rounds > 0:  # 0: no executor rows
+        uni, multi = executor_overhead(
+            model_dir,
+            [p[-args.executor_prompt_tokens :] for p in prompts[: args.executor_streams]],
+            args.executor_output_tokens,
+            args.executor_rounds,
         )
-    print(
-        f"\nMultiproc / UniProc per-step time at {args.executor_streams} streams: "
-        f"{multi.step_s / uni.step_s:.3f}x (target <= 1.05x); load average {os.getloadavg()[0]:.1f}\n"
-    )
+        print("\n| executor | streams | steps | output tokens/s | ms per step | per-step vs UniProc |")
+        print("|---|---|---|---|---|---|")
+        for name, run in (("UniProc (in-process)", uni), ("Multiproc (1 worker process)", multi)):
+            print(
+                f"| {name} | {args.executor_streams} | {run.steps} | {run.tokens / run.seconds:.1f} "
+                f"| {run.step_s * 1e3:.1f} | {run.step_s / uni.step_s:.3f}x |"
+            )
+        print(
+            f"\nMultiproc / UniProc per-step time at {args.executor_streams} streams: "
+            f"{multi.step_s / uni.step_s:.3f}x (target <= 1.05x); load average {os.getloadavg()[0]:.1f}\n"
+        )
     if args.executors_only:
         return
     print(f"# {args.output_tokens} output tokens each\n")
     model = load_causal_lm(source, torch.float32, attn_implementation="sdpa").eval()
     serial = run_serial(model, prompts[: args.serial_prompts], args.output_tokens)
     direct = {n: run_direct(model, prompts[:n], args.output_tokens) for n in levels}
+    # The chat rows' own baseline: the engine on the very prompt tokens the worker renders for those chats.
+    texts = [tokenizer.decode(p) for p in prompts]
+    chat_prompts = [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    direct_chat = {n: run_direct(model, chat_prompts[:n], args.output_tokens) for n in levels}
     del model
     conftest.STARTUP_TIMEOUT_S = 900.0  # a loaded machine starts the group slowly; the bench waits
     with tempfile.TemporaryDirectory() as tmp:
@@ -380,7 +387,6 @@ def main() -> None:
         try:
             asyncio.run(run_serve(url, prompts[:2], 8))  # warm-up
             served = {n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens)) for n in levels}
-            texts = [tokenizer.decode(p) for p in prompts]
             chats = {
                 n: asyncio.run(run_serve(url, prompts[:n], args.output_tokens, chat=texts[:n]))
                 for n in levels
@@ -412,10 +418,19 @@ def main() -> None:
         )
         print(
             row(
+                "transformers CB, direct, chat prompts",
+                n,
+                direct_chat[n],
+                f"{direct_chat[n].rate / serial.rate:.2f}x of one-at-a-time",
+            )
+        )
+        print(
+            row(
                 "iwg serve, chat (HTTP, SSE)",
                 n,
                 chats[n],
-                f"{chats[n].rate / direct[n].rate:.2f}x of direct; {chats[n].rate / serial.rate:.2f}x of one-at-a-time",
+                f"{chats[n].rate / direct_chat[n].rate:.2f}x of direct on chat prompts; "
+                f"{chats[n].rate / serial.rate:.2f}x of one-at-a-time",
             )
         )
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")

@@ -48,6 +48,12 @@ CPU_DEFAULT_BATCH_TOKENS = 1024
 START_TIMEOUT_S = 120.0
 
 
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A chat's prompt tokens: the model's own chat template, with the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """KV cache size (``num_blocks`` wins over ``memory_fraction``; neither: a default for the device) and the
@@ -142,9 +148,7 @@ class GenerationEngine:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The model's own chat template, with the assistant's turn opened."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_chat(self.tokenizer, messages)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
