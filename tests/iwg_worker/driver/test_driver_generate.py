@@ -255,3 +255,102 @@ async def test_streamed_n_choices_and_logprobs_join_to_the_plain_answer(client: 
             "token_logprobs"
         ]
         assert mine[-1]["finish_reason"] == choice["finish_reason"]
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 response sent with chunked transfer encoding."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"chunked" in head.lower(), head
+    body = b""
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        body, rest = body + rest[:size], rest[size + 2 :]
+    return body
+
+
+async def test_a_reader_that_stops_reading_holds_only_its_own_response(tiny_lm: Path) -> None:
+    """Back-pressure: a client that stops reading fills the TCP buffers (made small on both ends here, so that
+    one request's output overflows them); its handler waits on its own writes while the engine finishes its
+    requests (their KV cache freed, the rest of the output waiting in the driver) and other streams are served
+    to the end; once the client reads again it gets every token."""
+    import asyncio
+    import socket
+
+    from aiohttp import ClientSession, web
+
+    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu"))
+    driver = Driver(DriverConfig(served_name="tiny", task="generate", max_wait_ms=5), ExecutorPool(executor))
+    driver.start()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
+    listener.bind(("127.0.0.1", 0))
+    runner = web.AppRunner(build_app(driver))
+    await runner.setup()
+    await web.SockSite(runner, listener).start()
+    port = listener.getsockname()[1]
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    slow = socket.socket()
+
+    def peek() -> bytes:
+        try:
+            return slow.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+
+    try:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", port))
+        # 16 choices x 60 tokens with 5 top logprobs each: about 300 KB of events, far beyond the buffers.
+        payload = json.dumps({**body, "n": 16, "logprobs": 5, "stream": True}).encode()
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+        for _ in range(600):
+            if b"data: " in peek() and driver.generations.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        # The engine is done with the slow request (nothing of it runs or holds cache) ...
+        assert driver.generations.active == 0
+        stats = await driver.pool.engine_stats(0, 10)
+        assert stats["streams"] == 0 and stats["kv_cache_blocks_used"] == 0, stats
+        async with ClientSession(f"http://127.0.0.1:{port}") as session:
+
+            async def full(index: int) -> str:
+                async with session.post(
+                    "/v1/completions", json={**body, "prompt": f"w{index} w2", "stream": True}
+                ) as resp:
+                    assert resp.status == 200
+                    text = await resp.text()
+                    assert text.endswith("data: [DONE]\n\n")
+                    return text
+
+            # ... other clients' streams are served to the end meanwhile ...
+            others = await asyncio.wait_for(asyncio.gather(*(full(i) for i in range(3, 11))), 60)
+            assert len(others) == 8
+            plain = await (await session.post("/v1/completions", json={**body, "logprobs": 5})).json()
+        # ... while the slow response is still held back by the client's full buffers.
+        assert b"[DONE]" not in peek(), "the whole response fit in the buffers: back-pressure was not reached"
+        # The reader comes back: every token of every choice arrives, none lost.
+        slow.setblocking(False)
+        loop = asyncio.get_running_loop()
+        raw = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(slow, 65536), 60):
+            raw += chunk
+        events = [e.removeprefix("data: ") for e in dechunk(raw).decode().split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        print(f"slow reader: {len(raw)} bytes held back and then read")
+        texts = [""] * 16
+        for event in events[:-1]:
+            for choice in json.loads(event)["choices"]:
+                texts[choice["index"]] += choice["text"]
+        assert texts == [plain["choices"][0]["text"]] * 16
+        assert len(plain["choices"][0]["text"].split()) == 60
+    finally:
+        slow.close()
+        await runner.cleanup()
+        await driver.stop()
+        await driver.pool.close()
