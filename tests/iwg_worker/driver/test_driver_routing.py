@@ -324,6 +324,27 @@ async def test_completions_stream_each_prompt_from_an_engine_with_its_own_parame
     assert len({r["id"] for r in requests}) == 4 and pool.replicas[0].cancelled == []
 
 
+async def test_streams_beyond_the_generation_limit_get_429_with_retry_after_and_the_rest_serve() -> None:
+    pool = FakePool(replicas=1, delay_s=1.0)
+    async with serve(pool, task="generate", max_streams=4) as (client, driver):
+        body = {"model": "minilm", "prompt": "abcdefgh", "max_tokens": 8, "stream": True}
+        first = await client.post("/v1/completions", json={**body, "n": 3})
+        assert first.status == 200
+        await first.content.readline()  # its three choices run
+        second = await client.post("/v1/completions", json={**body, "n": 2})  # 3 + 2 > 4
+        refused = await second.json()
+        assert second.status == 429 and second.headers["Retry-After"] == "1", refused
+        assert refused["error"]["code"] == "queue_full"
+        third = await client.post("/v1/completions", json={**body, "n": 1})  # 3 + 1 fits
+        assert third.status == 200
+        texts = [await first.text(), await third.text()]
+        assert all(t.rstrip().endswith("data: [DONE]") for t in texts)
+        assert driver.generations.active == 0
+        again = await client.post("/v1/completions", json={**body, "n": 4})  # room again once they ended
+        assert again.status == 200 and (await again.text()).rstrip().endswith("data: [DONE]")
+    assert metric(driver, "iwg_rejected_requests_total", {"reason": "queue_full"}) == 1
+
+
 async def test_embeddings_on_a_generate_group_is_a_400() -> None:
     async with serve(FakePool(), task="generate") as (client, _driver):
         status, body, _ = await embed(client, "x")
