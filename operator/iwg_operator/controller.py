@@ -463,21 +463,23 @@ class Controller:
     async def _drain_leaving(
         self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
     ) -> bool:
-        """Before a scale-down deletes pods (whoever lowered spec.replicas), the driver stops sending batches to
-        the leaving replicas and finishes the ones in flight, for at most rollout.drainTimeoutSeconds. Returns
-        False when the group's spec changed meanwhile (the plan is stale)."""
+        """Before a scale-down deletes pods (whoever lowered spec.replicas), every ready driver stops sending
+        batches to the leaving replicas and finishes the ones in flight, for at most
+        rollout.drainTimeoutSeconds. Returns False when the group's spec changed meanwhile (the plan is
+        stale)."""
         leaving = [r for r in plan.scale_down if r not in state.drained]
         timeout = group.spec.rollout.drain_timeout_seconds
         if not leaving or timeout == 0:
             return True
         started = time.monotonic()
         try:
-            await drain_group_replicas(
+            drivers = await drain_group_replicas(
                 self.kube, self.http(), group.namespace, group.name, group.spec.driver.port, leaving, timeout
             )
             seconds = time.monotonic() - started
+            where = "the driver" if len(drivers) == 1 else f"{len(drivers)} drivers"
             done.append(
-                ("DrainedReplicas", f"drained replicas {_ranges(leaving)} in the driver in {seconds:.1f}s")
+                ("DrainedReplicas", f"drained replicas {_ranges(leaving)} in {where} in {seconds:.1f}s")
             )
         except NoReadyDriver:
             pass  # no driver routes anything to them
@@ -486,7 +488,7 @@ class Controller:
                 state,
                 "Warning",
                 "DrainFailed",
-                f"replicas {_ranges(leaving)} not drained in the driver ({error}); removing them anyway",
+                f"replicas {_ranges(leaving)} not drained ({error}); removing them anyway",
                 once=False,
             )
         state.drained.update(leaving)

@@ -1,15 +1,18 @@
-"""The operator's calls to a group's driver: where it is, its admin token, and draining replicas in it.
+"""The operator's calls to a group's drivers: where they are, their admin token, and draining replicas in them.
 
-Before the pods of a leaving replica are deleted, the driver stops sending it batches and waits for the ones in
-flight (`POST /admin/replicas/<r>/drain`), so that a scale-down (the autoscaler, `kubectl scale`, an HPA) cuts
-no request. The reconciler drains every replica a lower spec.replicas removes, the autoscaler before it lowers
-spec.replicas; a replica whose index is kept after all is undrained.
+Before the pods of a leaving replica are deleted, every driver stops sending it batches and waits for the ones
+in flight (`POST /admin/replicas/<r>/drain`), so that a scale-down (the autoscaler, `kubectl scale`, an HPA)
+cuts no request. Each driver routes its own requests (`spec.driver.replicas` > 1 runs several), so the drain
+goes to every ready driver, all at once. The reconciler drains every replica a lower spec.replicas removes, the
+autoscaler before it lowers spec.replicas; a replica whose index is kept after all is undrained.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -24,24 +27,41 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class DrainError(Exception):
-    """The driver could not be asked, or refused: the replicas may still have batches in flight."""
+    """A driver could not be asked, or refused: the replicas may still have batches in flight there."""
 
 
 class NoReadyDriver(DrainError):
     """No driver is ready: nothing is routed to any replica, so nothing is in flight to drain."""
 
 
-async def driver_address(kube: KubeApi, namespace: str, group: str) -> str | None:
-    """The pod IP of the group's ready driver, if one is ready."""
+@dataclass(frozen=True)
+class DriverPod:
+    """A ready driver pod: its name, IP, and how often its container restarted (a restarted driver process
+    starts its counters from zero)."""
+
+    name: str
+    address: str
+    restarts: int = 0
+
+    @property
+    def process(self) -> str:
+        """Names the driver process: the pod, and which of its container's runs."""
+        return f"{self.name}#{self.restarts}"
+
+
+async def driver_addresses(kube: KubeApi, namespace: str, group: str) -> list[DriverPod]:
+    """The group's ready driver pods that are not terminating, by name."""
     selector = labels.selector_string(labels.driver_selector(group))
+    found = []
     for pod in await kube.list(PODS, namespace, selector):
         pod_status = pod.get("status") or {}
         ready = any(
             c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or []
         )
         if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            return str(pod_status["podIP"])
-    return None
+            restarts = sum(int(c.get("restartCount") or 0) for c in pod_status.get("containerStatuses") or [])
+            found.append(DriverPod(pod["metadata"]["name"], str(pod_status["podIP"]), restarts))
+    return sorted(found, key=lambda d: d.name)
 
 
 async def admin_token(kube: KubeApi, namespace: str, group: str) -> str:
@@ -60,7 +80,7 @@ async def drain_replicas(
     timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     undrain: bool = False,
 ) -> list[int]:
-    """Drains each replica in the driver (no new batches; returns once its in-flight ones finished or `timeout`
+    """Drains each replica in one driver (no new batches; returns once its in-flight ones finished or `timeout`
     passed), or undrains it; returns the replicas the driver knew (a 404 is a replica it never saw)."""
     known = []
     action = "undrain" if undrain else f"drain?timeout={min(timeout, DRIVER_MAX_DRAIN_S):g}"
@@ -81,6 +101,35 @@ async def drain_replicas(
     return known
 
 
+async def drain_in_drivers(
+    http: aiohttp.ClientSession,
+    drivers: Sequence[DriverPod],
+    port: int,
+    token: str,
+    replicas: Iterable[int],
+    timeout: float,
+    undrain: bool = False,
+) -> None:
+    """Drains (or undrains) `replicas` in every driver at once, so the slowest drain bounds the wait rather
+    than their sum. `DrainError` names each driver pod that could not be asked or refused."""
+    wanted = list(replicas)
+    results = await asyncio.gather(
+        *(
+            drain_replicas(http, f"http://{d.address}:{port}", token, wanted, timeout, undrain)
+            for d in drivers
+        ),
+        return_exceptions=True,
+    )
+    failures = []
+    for driver, result in zip(drivers, results, strict=True):
+        if isinstance(result, Exception):
+            failures.append(f"driver pod {driver.name}: {str(result) or type(result).__name__}")
+        elif isinstance(result, BaseException):
+            raise result
+    if failures:
+        raise DrainError("; ".join(failures))
+
+
 async def drain_group_replicas(
     kube: KubeApi,
     http: aiohttp.ClientSession,
@@ -90,10 +139,12 @@ async def drain_group_replicas(
     replicas: Iterable[int],
     timeout: float,
     undrain: bool = False,
-) -> list[int]:
-    """Finds the group's driver and its token, then drains (or undrains) `replicas` in it."""
-    driver = await driver_address(kube, namespace, group)
-    if driver is None:
+) -> list[DriverPod]:
+    """Finds the group's ready drivers and its token, then drains (or undrains) `replicas` in every driver;
+    returns the drivers asked."""
+    drivers = await driver_addresses(kube, namespace, group)
+    if not drivers:
         raise NoReadyDriver("no ready driver")
     token = await admin_token(kube, namespace, group)
-    return await drain_replicas(http, f"http://{driver}:{port}", token, replicas, timeout, undrain)
+    await drain_in_drivers(http, drivers, port, token, replicas, timeout, undrain)
+    return drivers

@@ -20,7 +20,7 @@ import aiohttp
 from iwg_operator import metrics, status
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
-from iwg_operator.driver_admin import admin_token, drain_replicas, driver_address
+from iwg_operator.driver_admin import DriverPod, admin_token, drain_in_drivers, driver_addresses
 from iwg_operator.health.policy import avoid_after_fault, current_avoided
 from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
 from iwg_operator.kube import GROUPS, PODS, ApiError
@@ -157,16 +157,16 @@ class Supervisor:
         assert group is not None
         spec = group.spec
         current = spec.replicas
-        driver = await driver_address(self.controller.kube, group.namespace, group.name)
-        sample, error = None, "the driver is not ready"
-        if driver is not None:
+        drivers = await driver_addresses(self.controller.kube, group.namespace, group.name)
+        sample, error = None, "no driver is ready"
+        if drivers:
             try:
-                sample = await scaler.scrape(self.http(), f"http://{driver}:{spec.driver.port}/metrics")
+                sample = await scaler.scrape(self.http(), drivers, spec.driver.port)
             except Exception as scrape_error:
-                error = f"driver metrics unavailable: {scrape_error}"
+                error = str(scrape_error)
         decision = scaler.decide(sample, error, current, spec.autoscaling)
         if decision.replicas is not None and decision.replicas != current:
-            decision = await self._scale(state, decision, current, driver)
+            decision = await self._scale(state, decision, current, drivers)
         metrics.autoscaler_decision(_direction(decision.replicas, current))
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(
@@ -181,21 +181,22 @@ class Supervisor:
         await self._write(state, {}, scaling)
 
     async def _scale(
-        self, state: GroupState, decision: ScaleDecision, current: int, driver: str | None
+        self, state: GroupState, decision: ScaleDecision, current: int, drivers: list[DriverPod]
     ) -> ScaleDecision:
         group = state.group
         assert group is not None and decision.replicas is not None
         desired = decision.replicas
-        if desired < current and driver is None:
+        if desired < current and not drivers:
             return ScaleDecision(
                 None, "DrainFailed", f"holding at {current}: no ready driver to drain replicas"
             )
         if desired < current:
             try:
                 token = await admin_token(self.controller.kube, group.namespace, group.name)
-                await drain_replicas(
+                await drain_in_drivers(
                     self.http(),
-                    f"http://{driver}:{group.spec.driver.port}",
+                    drivers,
+                    group.spec.driver.port,
                     token,
                     range(desired, current),
                     group.spec.rollout.drain_timeout_seconds,

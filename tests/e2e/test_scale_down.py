@@ -1,5 +1,5 @@
-"""`kubectl scale` (or an HPA) lowering replicas under load: the operator drains the leaving replica in the
-driver before it deletes its pods, so no batch in flight is cut (the driver retries none) and no request fails;
+"""`kubectl scale` (or an HPA) lowering replicas under load: the operator drains the leaving replica in every
+driver before it deletes its pods, so no batch in flight is cut (no driver retries one) and no request fails;
 a driver that does not answer holds a scale-down for at most the drain timeout."""
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.e2e.harness import Load, eventually, group_manifest, pod_ready, signal_worker, wait_serving
+from tests.e2e.harness import (
+    Load,
+    driver_pods,
+    eventually,
+    group_manifest,
+    pod_ready,
+    signal_worker,
+    wait_serving,
+)
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
 
@@ -44,27 +52,38 @@ def serve_slow_group(
     name: str,
     batch_seconds: float | None = None,
     max_batch_size: int | None = None,
+    drivers: int = 1,
 ) -> str:
-    """Two serving replicas of SlowWorker; returns the driver's address."""
+    """Two serving replicas of SlowWorker and `drivers` ready drivers; returns a driver's address."""
     manifest = group_manifest(name, replicas=2)
+    manifest["spec"]["driver"]["replicas"] = drivers
     if max_batch_size is not None:
         manifest["spec"]["driver"]["batching"] = {"maxBatchSize": max_batch_size}
     manifest["spec"]["worker"]["workerCls"] = "tests.e2e.slow_worker.SlowWorker"
     if batch_seconds is not None:
         manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": f"{batch_seconds:g}"}]
     control_plane.kubectl("apply", "-n", groups.namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    return wait_serving(groups, core, node_agent, name, replicas=2)
+    address = wait_serving(groups, core, node_agent, name, replicas=2)
+    eventually(
+        lambda: len([p for p in driver_pods(core, groups.namespace, name) if pod_ready(p)]) == drivers,
+        120,
+        f"{drivers} drivers ready",
+    )
+    return address
 
 
-def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
+def test_kubectl_scale_down_drains_the_leaving_replica_in_every_driver_before_deleting_its_pods(
     node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
 ) -> None:
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "shrink"
-    address = serve_slow_group(control_plane, node_agent, groups, core, name)
-    load = Load(address, MODEL, clients=6, inputs=2).start()
-    time.sleep(3)  # both replicas have batches in flight (each takes 0.4 s more than the model needs)
-    before = retried_batches(address)
+    serve_slow_group(control_plane, node_agent, groups, core, name, drivers=2)
+    drivers = {p.metadata.name: p.status.pod_ip for p in driver_pods(core, workspace, name)}
+    # Each driver routes its own clients' batches to both replicas (each batch takes 0.4 s more than the model
+    # needs), so each has batches in flight on replica 1 when the scale-down comes.
+    loads = {pod: Load(ip, MODEL, clients=3, inputs=2).start() for pod, ip in drivers.items()}
+    time.sleep(3)
+    before = {pod: retried_batches(ip) for pod, ip in drivers.items()}
 
     control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=1")
     eventually(
@@ -73,14 +92,21 @@ def test_kubectl_scale_down_drains_the_leaving_replica_before_deleting_its_pods(
         "replica 1's pods gone",
     )
     time.sleep(2)
-    load.stop()
+    for load in loads.values():
+        load.stop()
 
-    assert load.failures == [], load.failures[:3]
-    assert load.ok > 10
-    assert retried_batches(address) == before, "a batch was cut: replica 1 went with batches in flight"
+    for pod, load in loads.items():
+        assert load.failures == [], (pod, load.failures[:3])
+        assert load.ok > 5, pod
+        assert retried_batches(drivers[pod]) == before[pod], (
+            f"{pod} cut a batch: replica 1 went with it in flight"
+        )
+        # Both drivers were asked, not only the first one ready.
+        log = node_agent.container_log(workspace, pod, "driver", lines=100_000)
+        assert "replica 1: draining" in log and "replica 1: drained" in log, log[-3000:]
     events = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
     drained = [e.message for e in events if e.reason == "DrainedReplicas"]
-    assert len(drained) == 1 and "replicas 1 " in drained[0], drained
+    assert len(drained) == 1 and "replicas 1 in 2 drivers" in drained[0], drained
 
 
 def test_a_driver_that_does_not_answer_holds_a_scale_down_only_for_the_drain_timeout(

@@ -8,6 +8,7 @@ from iwg_operator.autoscaling.policy import (
     DriverSample,
     MetricsError,
     Recommendation,
+    combine_samples,
     latency_p95_ms,
     metric_value,
     parse_driver_metrics,
@@ -148,3 +149,46 @@ def test_kv_cache_usage_target_is_a_fraction_and_the_error_names_the_field() -> 
     with pytest.raises(ValueError, match="target"):
         spec(metric="kvCacheUsage", target=0)
     assert spec(metric="requestsWaiting", target=4).target == 4  # a count: above 1 is fine
+
+
+def two_drivers(at: float, second_latency_count: float = 10.0) -> dict[str, DriverSample]:
+    """One scrape of two drivers of a generation group: their own queues and latencies, and the engines'
+    gauges as each read them (the same group's engines)."""
+    buckets = ((0.1, 8.0), (1.0, 10.0), (float("inf"), 10.0))
+    return {
+        "g-driver-a#0": DriverSample(at, 3.0, 2.0, buckets, requests_waiting=4.0, kv_cache_usage=0.5),
+        "g-driver-b#0": DriverSample(
+            at + 0.2,
+            5.0,
+            1.0,
+            ((0.1, 0.0), (1.0, second_latency_count), (float("inf"), second_latency_count)),
+            requests_waiting=6.0,
+            kv_cache_usage=0.6,
+        ),
+    }
+
+
+def test_drivers_samples_sum_their_own_load_and_take_the_highest_engine_reading() -> None:
+    combined = combine_samples(two_drivers(10.0))
+    assert (combined.queue_depth, combined.inflight) == (8.0, 3.0)  # each driver's share, summed
+    assert dict(combined.latency_buckets) == {0.1: 8.0, 1.0: 20.0, float("inf"): 20.0}
+    # Both drivers read the same engines: 6 requests wait in the group, not 4 + 6.
+    assert (combined.requests_waiting, combined.kv_cache_usage) == (6.0, 0.6)
+    assert combined.at == 10.2 and combined.drivers == ("g-driver-a#0", "g-driver-b#0")
+    s = spec(metric="requestsWaiting", target=3, max_replicas=8)
+    assert metric_value(s, 2, combined, None) == 3.0  # 6 waiting over 2 replicas: on target, no scale-up
+    assert GroupScaler().decide(combined, None, 2, s).replicas == 2
+    assert metric_value(spec(metric="queueDepth"), 2, combined, None) == 4.0
+
+
+def test_latency_is_compared_only_between_scrapes_of_the_same_driver_processes() -> None:
+    s = spec(metric="latencyP95Ms", target=500)
+    first, second = combine_samples(two_drivers(10.0)), combine_samples(two_drivers(15.0, 30.0))
+    # 20 requests answered between the scrapes, all by driver b and within 1 s.
+    assert metric_value(s, 2, second, first) == pytest.approx(1000.0)
+    restarted = {**two_drivers(20.0), "g-driver-b#1": two_drivers(20.0)["g-driver-b#0"]}
+    del restarted["g-driver-b#0"]
+    # Driver b restarted: its histogram counts from zero again, so there is no interval to read.
+    assert metric_value(s, 2, combine_samples(restarted), second) is None
+    with pytest.raises(MetricsError):
+        combine_samples({})

@@ -800,9 +800,9 @@ class AutoscalingSpec(ApiModel):
     metric: Literal["queueDepth", "inflight", "latencyP95Ms", "requestsWaiting", "kvCacheUsage"] = Field(
         default="queueDepth",
         description=(
-            "Driver metric held near target: `queueDepth` (inputs queued in the driver) and `inflight` (requests "
-            "admitted, not yet answered), each divided by the replicas; `latencyP95Ms`, the 95th percentile "
-            "request latency in ms between two scrapes; for `generate` groups `requestsWaiting` (requests the "
+            "Driver metric held near target: `queueDepth` (inputs queued) and `inflight` (requests admitted, not "
+            "yet answered), summed over the drivers and divided by the replicas; `latencyP95Ms`, the 95th "
+            "percentile request latency in ms between two scrapes, over all drivers; for `generate` groups `requestsWaiting` (requests the "
             "engines hold waiting for KV cache room, divided by the replicas) and `kvCacheUsage` (the share of "
             "KV cache blocks in use, 0 to 1, averaged over the serving replicas)."
         ),
@@ -852,7 +852,7 @@ class RolloutSpec(ApiModel):
         ge=0,
         le=600,
         description=(
-            "When replicas are lowered (kubectl scale, an HPA, the autoscaler), how long the driver may finish "
+            "When replicas are lowered (kubectl scale, an HPA, the autoscaler), how long the drivers may finish "
             "a leaving replica's in-flight batches before its pods are deleted; 0 deletes them at once."
         ),
     )

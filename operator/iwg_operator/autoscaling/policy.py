@@ -1,11 +1,11 @@
 """Pure autoscaling decisions: the HPA formula with a tolerance, stabilization windows, bounds, and reading
-the driver's Prometheus text into the metric the spec names.
+the drivers' Prometheus text into the metric the spec names.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from iwg_operator.api.v1alpha1 import AutoscalingSpec
@@ -25,8 +25,9 @@ class MetricsError(ValueError):
 
 @dataclass(frozen=True)
 class DriverSample:
-    """One scrape of the driver: totals over the group, plus the cumulative latency histogram; the generation
-    gauges are None when the driver does not export them."""
+    """One scrape of the drivers: totals over the group, plus the cumulative latency histogram; the generation
+    gauges are None when no driver exports them. `drivers` names the driver processes it was read from (their
+    histograms count from their start, so latency is only compared between samples of the same ones)."""
 
     at: float
     queue_depth: float
@@ -34,6 +35,7 @@ class DriverSample:
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound s, cumulative count), summed
     requests_waiting: float | None = None
     kv_cache_usage: float | None = None
+    drivers: tuple[str, ...] = ()
 
 
 def parse_driver_metrics(text: str, at: float) -> DriverSample:
@@ -73,6 +75,41 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
     )
 
 
+def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
+    """The group's sample from one scrape of each driver (keyed by driver process).
+
+    Each driver counts only the requests it admitted itself: its queue, its in-flight requests and its
+    latency histogram are its share of the group's, so these are summed. The engine gauges are not shares:
+    every driver asks the same replicas' engines for their counts (`poll_stats` in the driver's streams.py),
+    so each driver exports the whole group's requests waiting and KV cache usage, read at a moment of its
+    own. Summing them would count each waiting request once per driver (two drivers would double the group's
+    `requestsWaiting` and scale it up for nothing). They are taken as the highest reading instead: the
+    readings differ only in when each driver took them and which serving replicas it reached, and the highest
+    keeps a scale-down from acting on one driver's partial view.
+    """
+    if not samples:
+        raise MetricsError("no driver sample")
+    parts = list(samples.values())
+    buckets: dict[float, float] = {}
+    for part in parts:
+        for bound, count in part.latency_buckets:
+            buckets[bound] = buckets.get(bound, 0.0) + count
+    return DriverSample(
+        at=max(p.at for p in parts),
+        queue_depth=sum(p.queue_depth for p in parts),
+        inflight=sum(p.inflight for p in parts),
+        latency_buckets=tuple(sorted(buckets.items())),
+        requests_waiting=_highest(p.requests_waiting for p in parts),
+        kv_cache_usage=_highest(p.kv_cache_usage for p in parts),
+        drivers=tuple(sorted(samples)),
+    )
+
+
+def _highest(values: Iterable[float | None]) -> float | None:
+    exported = [v for v in values if v is not None]
+    return max(exported) if exported else None
+
+
 def latency_p95_ms(previous: DriverSample, current: DriverSample) -> float:
     """95th percentile of the requests answered between two scrapes (bucket upper bound), 0 with none."""
     before = dict(previous.latency_buckets)
@@ -93,7 +130,8 @@ def metric_value(
     spec: AutoscalingSpec, replicas: int, current: DriverSample, previous: DriverSample | None
 ) -> float | None:
     """The spec's metric: per replica for the load metrics (as the HPA's averageValue), the serving replicas'
-    mean for `kvCacheUsage` (as the HPA's averageUtilization); None when unknown (the first latency sample).
+    mean for `kvCacheUsage` (as the HPA's averageUtilization); None when unknown (the first latency sample,
+    or the first after the set of driver processes changed).
     `MetricsError` names a gauge the driver does not export (a driver without generation support)."""
     if spec.metric == "queueDepth":
         return current.queue_depth / max(replicas, 1)
@@ -103,7 +141,7 @@ def metric_value(
         return _exported(current.requests_waiting, REQUESTS_WAITING) / max(replicas, 1)
     if spec.metric == "kvCacheUsage":
         return _exported(current.kv_cache_usage, KV_CACHE_USAGE)
-    if previous is None:
+    if previous is None or previous.drivers != current.drivers:
         return None
     return latency_p95_ms(previous, current)
 

@@ -1,12 +1,14 @@
-"""The autoscaler of one group: scrapes the driver's /metrics, recommends with the HPA formula, stabilizes,
-and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in the driver first
-(iwg_operator.driver_admin).
+"""The autoscaler of one group: scrapes every ready driver's /metrics, combines them, recommends with the HPA
+formula, stabilizes, and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in every
+driver first (iwg_operator.driver_admin).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -16,12 +18,14 @@ from iwg_operator.autoscaling.policy import (
     DriverSample,
     MetricsError,
     Recommendation,
+    combine_samples,
     metric_value,
     parse_driver_metrics,
     prune,
     recommend,
     stabilize,
 )
+from iwg_operator.driver_admin import DriverPod
 
 log = logging.getLogger("iwg_operator.autoscaling")
 
@@ -43,11 +47,28 @@ class GroupScaler:
     history: list[Recommendation] = field(default_factory=list)
     previous: DriverSample | None = None
 
-    async def scrape(self, http: aiohttp.ClientSession, url: str) -> DriverSample:
-        async with http.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
-            if response.status != 200:
-                raise MetricsError(f"driver metrics answered HTTP {response.status}")
-            return parse_driver_metrics(await response.text(), time.monotonic())
+    async def scrape(
+        self, http: aiohttp.ClientSession, drivers: Sequence[DriverPod], port: int
+    ) -> DriverSample:
+        """Every driver's /metrics at once, combined (`combine_samples`). One driver that cannot be read fails
+        the whole scrape (`MetricsError` naming its pod): the sum of the others would under-count the load
+        (its queue and in-flight requests are missing), and a scale-down on it could remove replicas that
+        driver is busy on. The autoscaler holds instead; a driver that is gone stops being Ready and leaves
+        the set."""
+        results = await asyncio.gather(
+            *(_scrape_one(http, f"http://{d.address}:{port}/metrics") for d in drivers),
+            return_exceptions=True,
+        )
+        samples = {}
+        for driver, result in zip(drivers, results, strict=True):
+            if isinstance(result, Exception):
+                raise MetricsError(
+                    f"metrics of driver pod {driver.name} unavailable: {str(result) or type(result).__name__}"
+                )
+            if isinstance(result, BaseException):
+                raise result
+            samples[driver.process] = result
+        return combine_samples(samples)
 
     def decide(
         self, sample: DriverSample | None, error: str | None, current: int, spec: AutoscalingSpec
@@ -80,3 +101,10 @@ class GroupScaler:
         desired = stabilize(current, self.history, now, spec)
         message = f"{spec.metric} {value:.2f} per replica (target {spec.target:g}) -> {desired} replicas"
         return ScaleDecision(desired, "ScalingActive", message, value)
+
+
+async def _scrape_one(http: aiohttp.ClientSession, url: str) -> DriverSample:
+    async with http.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
+        if response.status != 200:
+            raise MetricsError(f"HTTP {response.status}")
+        return parse_driver_metrics(await response.text(), time.monotonic())

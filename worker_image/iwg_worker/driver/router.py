@@ -245,9 +245,13 @@ class Router:
         self._draining.add(replica)
         self._publish(replica)
         self._wake()
-        return await self._wait_until(lambda: self._inflight.get(replica, 0) == 0, timeout)
+        log.info("replica %d: draining, %d batch(es) in flight", replica, self._inflight.get(replica, 0))
+        drained = await self._wait_until(lambda: self._inflight.get(replica, 0) == 0, timeout)
+        log.info("replica %d: %s", replica, "drained" if drained else f"not drained within {timeout:g} s")
+        return drained
 
     def undrain(self, replica: int) -> None:
+        log.info("replica %d: undrained", replica)
         self._draining.discard(replica)
         self._publish(replica)
         self._wake()
