@@ -32,9 +32,11 @@ def driver_address(dns_server: str, namespace: str, group: str) -> str | None:
     return found[0] if found else None
 
 
-def openai_client(address: str, port: int = 8000, timeout: float = 60) -> OpenAI:
+def openai_client(address: str, port: int = 8000, timeout: float = 60, max_retries: int = 0) -> OpenAI:
+    """The official client; no retries unless asked, so a test sees every failure (the client's own default
+    is 2: connection errors, 408, 409, 429 and 5xx answers are sent again after a short backoff)."""
     return OpenAI(
-        base_url=f"http://{address}:{port}/v1", api_key="not-needed", max_retries=0, timeout=timeout
+        base_url=f"http://{address}:{port}/v1", api_key="not-needed", max_retries=max_retries, timeout=timeout
     )
 
 
@@ -81,6 +83,8 @@ class Load:
     inputs: int = 4
     max_seconds: float = 300.0
     timeout: float = 60.0  # seconds the client waits for an answer (a stream: for each of its chunks)
+    port: int = 8000
+    max_retries: int = 0  # the openai client's retries (its default is 2); a failure counts after the last
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     failed_at: list[float] = field(default_factory=list)  # when each failed request was sent (monotonic)
@@ -97,7 +101,7 @@ class Load:
         return self
 
     def _run(self, index: int) -> None:
-        api = openai_client(self.address, timeout=self.timeout)
+        api = openai_client(self.address, self.port, self.timeout, self.max_retries)
         deadline = time.monotonic() + self.max_seconds
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
