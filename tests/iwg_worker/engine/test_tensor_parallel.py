@@ -15,6 +15,7 @@ from iwg_operator.api import wiring
 from iwg_worker.engine.engine import GenerationEngine
 from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
+from iwg_worker.executor.streams import StreamFailed
 from iwg_worker.models.sharding import local_parameter_bytes
 from iwg_worker.worker_base import WorkerConfig
 
@@ -147,8 +148,12 @@ def test_a_rank_killed_mid_stream_fails_the_request_with_a_clear_error_and_the_r
 
     error, after, received = asyncio.run(run())
     print(f"rank 1 SIGKILLed: the request failed {after:.2f} s later, after {received} tokens: {error}")
-    assert isinstance(error, ReplicaLostError), repr(error)
-    assert error.replica == 0 and error.ranks == [1], str(error)
+    # Two clear errors race: the executor sees rank 1's process exit (ReplicaLostError naming the rank), or
+    # rank 0's all-reduce sees the closed connection first and the engine fails the request with it.
+    if isinstance(error, ReplicaLostError):
+        assert error.replica == 0 and error.ranks == [1], str(error)
+    else:
+        assert isinstance(error, StreamFailed) and "by peer" in str(error), repr(error)
     assert after < HEARTBEAT_TIMEOUT_S
     assert received < request["max_tokens"]
     # Its peers cannot take a new member into their torch.distributed group: the whole replica restarts.
