@@ -8,12 +8,21 @@ through the driver for the whole run. Faults, one at a time, each on a group ser
 
 - SIGKILL of a worker (restartPolicy Pod): the process dies; the kubelet and the prober see it.
 - SIGSTOP of a worker: a hang the process check cannot see; only the deep health check times out.
+- SIGKILL of the group's only driver: the kubelet (the node agent) restarts its container; the workers keep
+  their model and join it. The clients do not retry (max_retries=0), so every request the outage cut counts.
+- SIGKILL of one of two drivers (the same group, spec.driver.replicas raised to 2): the clients reach the
+  drivers through the group's Service (tests/e2e/service_proxy.py stands in for its virtual IP) with the
+  `openai` client's default retries (max_retries=2).
 
 (A replica of several ranks holds its model sharded, which MiniLM's architecture does not allow: the rebuild of
 a SmolLM2 replica of worldSize 3 after SIGKILL of rank 1 is timed by tests/e2e/test_selfheal.py.)
 
 Per fault: detected = fault until the operator deleted the pod(s); serving again = fault until the
-replacement is ready and the group reports every replica ready; failed requests during the episode. The
+replacement is ready and the group reports every replica ready; failed requests during the episode. For the
+driver rows: detected = fault until the group's DriverAvailable condition is False or a worker logs
+`driver lost` (one driver), or until the killed driver's pod is not Ready (two drivers); serving again = fault
+until the first request answered after the restarted driver pod is Ready (one driver), or until that pod is
+Ready again (two drivers: the other serves throughout). The
 baseline measured in the same run is a worker's cold start (group created until its first replica is ready):
 recovery can hardly be faster than that, and `ratio` compares the two. The bound for a hang is
 periodSeconds x failureThreshold + timeoutSeconds.
@@ -22,6 +31,7 @@ periodSeconds x failureThreshold + timeoutSeconds.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -29,14 +39,19 @@ from dataclasses import dataclass
 
 import yaml
 
+from tests.cluster.waiting import eventually
 from tests.e2e.harness import (
     Load,
     await_replacement,
+    driver_pods,
     group_manifest,
     live_ready_workers,
+    pod_ready,
+    process_of,
     signal_worker,
     wait_serving,
 )
+from tests.e2e.service_proxy import ServiceProxy
 from tests.e2e.stack import LocalStack
 
 PERIOD, THRESHOLD, TIMEOUT = 2, 2, 1
@@ -47,6 +62,8 @@ HEALTH = {
     "backoffSeconds": 0,
 }
 MODEL = "all-MiniLM-L6-v2"
+DRIVER_LOST = "driver lost: no ping"  # a worker's line when its driver's pings stop
+OPENAI_DEFAULT_RETRIES = 2
 
 
 @dataclass
@@ -96,6 +113,91 @@ def episode(
     return Row(label, recovery.detected_s, recovery.ready_s, load.ok, len(load.failures))
 
 
+def driver_lost_logged(stack: LocalStack, lost_before: dict[str, int]) -> bool:
+    """A worker logged that it lost its driver since `lost_before` was counted."""
+    assert stack.agent is not None
+    return any(
+        stack.agent.container_log(stack.namespace, pod, "worker", lines=100_000).count(DRIVER_LOST) > count
+        for pod, count in lost_before.items()
+    )
+
+
+def single_driver_episode(stack: LocalStack, name: str, address: str, clients: int) -> Row:
+    assert stack.agent is not None
+    core, namespace = stack.core, stack.namespace
+    lost_before = {
+        p.metadata.name: stack.agent.container_log(namespace, p.metadata.name, "worker", lines=100_000).count(
+            DRIVER_LOST
+        )
+        for p in live_ready_workers(core, namespace, name)
+    }
+    load = Load(address, MODEL, clients=clients).start()
+    time.sleep(2)
+    (driver,) = driver_pods(core, namespace, name)
+    killed = process_of(driver)
+    started = time.monotonic()
+    os.kill(killed, signal.SIGKILL)
+    detected: float | None = None
+    ready_at: float | None = None
+    next_log_look = started
+    while ready_at is None:
+        now = time.monotonic()
+        if now - started > 180:
+            raise AssertionError("the driver did not come back within 180 s")
+        if detected is None:
+            down = (stack.groups.condition(name, "DriverAvailable") or {}).get("status") == "False"
+            if not down and now >= next_log_look:  # the logs are read twice a second, the status every loop
+                next_log_look = now + 0.5
+                down = driver_lost_logged(stack, lost_before)
+            if down:
+                detected = time.monotonic() - started
+        elif any(pod_ready(p) and process_of(p) != killed for p in driver_pods(core, namespace, name)):
+            ready_at = time.monotonic()
+        time.sleep(0.05)
+    time.sleep(10)
+    load.stop()
+    answered = sorted(sent + took for sent, took in load.latencies if sent + took > ready_at)
+    serving = (answered[0] if answered else float("inf")) - started
+    print(f"one driver: its pod Ready again {ready_at - started:.2f} s after the SIGKILL", file=sys.stderr)
+    return Row("SIGKILL the only driver", detected or 0.0, serving, load.ok, len(load.failures))
+
+
+def two_driver_episode(stack: LocalStack, name: str, clients: int) -> Row:
+    assert stack.agent is not None
+    core, namespace = stack.core, stack.namespace
+    stack.groups.patch(name, {"driver": {"replicas": 2}})
+
+    def two_ready() -> bool:
+        pods = driver_pods(core, namespace, name)
+        return len(pods) == 2 and all(pod_ready(p) and not p.metadata.deletion_timestamp for p in pods)
+
+    eventually(two_ready, 180, "two drivers ready")
+    proxy = ServiceProxy(stack.agent.gateway, f"{name}-driver.{namespace}.svc.cluster.local", 8000).start()
+    load = Load(
+        "127.0.0.1", MODEL, clients=clients, port=proxy.listen_port, max_retries=OPENAI_DEFAULT_RETRIES
+    ).start()
+    time.sleep(2)
+    victim = driver_pods(core, namespace, name)[0]
+    killed = process_of(victim)
+    started = time.monotonic()
+    os.kill(killed, signal.SIGKILL)
+    detected: float | None = None
+    ready: float | None = None
+    while ready is None:
+        if time.monotonic() - started > 180:
+            raise AssertionError("the killed driver did not come back within 180 s")
+        (pod,) = [p for p in driver_pods(core, namespace, name) if p.metadata.name == victim.metadata.name]
+        if detected is None and not pod_ready(pod):
+            detected = time.monotonic() - started
+        if detected is not None and pod_ready(pod) and process_of(pod) != killed:
+            ready = time.monotonic() - started
+        time.sleep(0.05)
+    time.sleep(5)
+    load.stop()
+    proxy.stop()
+    return Row("SIGKILL one of two drivers", detected or 0.0, ready, load.ok, len(load.failures))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -110,11 +212,16 @@ def main() -> int:
         for fault, label in ((signal.SIGKILL, "SIGKILL worker"), (signal.SIGSTOP, "SIGSTOP worker (hang)")):
             rows.append(episode(stack, "single", address, 2, fault, label, args.clients, rank=0))
             print(f"{label}: done", file=sys.stderr)
+        rows.append(single_driver_episode(stack, "single", address, args.clients))
+        print("SIGKILL driver: done", file=sys.stderr)
+        rows.append(two_driver_episode(stack, "single", args.clients))
+        print("SIGKILL one of two drivers: done", file=sys.stderr)
 
     baseline = min(colds)
     print(
         f"\nhealth: periodSeconds={PERIOD} failureThreshold={THRESHOLD} timeoutSeconds={TIMEOUT}; "
-        f"hang bound {PERIOD * THRESHOLD + TIMEOUT} s; {args.clients} clients throughout"
+        f"hang bound {PERIOD * THRESHOLD + TIMEOUT} s; {args.clients} clients throughout (no retries, but "
+        f"{OPENAI_DEFAULT_RETRIES} for the two-driver row)"
     )
     print(
         f"baseline: cold start of a group until its replicas serve: {baseline:.1f} s (min of {len(colds)})\n"

@@ -95,6 +95,11 @@ class ServiceProxy:
         return None
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        # A connection cancelled by stop() ends quietly (asyncio's server would log the cancelled task).
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._serve(client_reader, client_writer)
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             upstream = await self._connect()
