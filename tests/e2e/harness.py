@@ -88,6 +88,7 @@ class Load:
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     failed_at: list[float] = field(default_factory=list)  # when each failed request was sent (monotonic)
+    failed_done: list[float] = field(default_factory=list)  # when each failed (monotonic)
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (start, seconds)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -116,6 +117,7 @@ class Load:
                 with self._lock:
                     self.failures.append(f"{type(error).__name__}: {error}")
                     self.failed_at.append(started)
+                    self.failed_done.append(time.monotonic())
 
     def request(self, api: OpenAI, index: int, n: int) -> None:
         """One request of client `index`; raises on anything but the right answer."""

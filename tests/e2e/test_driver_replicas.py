@@ -5,7 +5,9 @@ driver's process SIGKILLed (the node agent, as a kubelet, restarts its container
 gracefully (`kubectl delete pod`: SIGTERM, and the Deployment makes another); a rollout of the driver image
 (the Deployment replaces both pods, one at a time). No request fails, every answer is right (a fixed input's
 embedding as the group gave it before the faults), and the workers are the same processes, one model load
-each."""
+each. A second client without retries loses nothing to the delete and the rollout either: a driver told to
+stop answers with `Connection: close` for a while before it closes its connections; only the SIGKILL may cut
+its request in flight."""
 
 from __future__ import annotations
 
@@ -100,6 +102,9 @@ def test_two_drivers_lose_no_request_to_a_kill_a_delete_and_a_rollout(
         max_retries=OPENAI_DEFAULT_RETRIES,
         reference=list(reference),
     ).start()
+    strict = CheckedLoad(
+        "127.0.0.1", MODEL, clients=1, inputs=3, port=proxy.listen_port, reference=list(reference)
+    ).start()  # no retries: every connection the drivers close under a request shows
     marks = [("before", time.monotonic())]
     try:
         time.sleep(SETTLE_S)
@@ -151,22 +156,34 @@ def test_two_drivers_lose_no_request_to_a_kill_a_delete_and_a_rollout(
         marks.append(("end", time.monotonic()))
     finally:
         load.stop()
+        strict.stop()
         proxy.stop()
 
     phases = []
     for (phase, start), (_, end) in itertools.pairwise(marks):
         answered = sum(1 for sent, took in load.latencies if start <= sent + took < end)
         failed = sum(1 for sent in load.failed_at if start <= sent < end)
-        phases.append((phase, answered, failed, end - start))
+        strict_failed = [
+            f for f, done in zip(strict.failures, strict.failed_done, strict=True) if start <= done < end
+        ]
+        phases.append((phase, answered, failed, end - start, strict_failed))
     print(
         "two drivers under load: "
-        + "; ".join(f"{p}: {a} answered, {f} failed in {s:.1f} s" for p, a, f, s in phases)
-        + f"; {proxy.connections} connections, {proxy.refused} refused connects tried elsewhere",
+        + "; ".join(
+            f"{p}: {a} answered, {f} failed in {s:.1f} s ({len(sf)} failed without retries)"
+            for p, a, f, s, sf in phases
+        )
+        + f"; {strict.ok} answered without retries; {proxy.connections} connections, {proxy.refused} refused "
+        "connects tried elsewhere",
         file=sys.__stderr__,  # the operator's KopfRunner holds sys.stdout and sys.stderr while it runs
     )
     assert load.failures == [], load.failures[:5]
-    for phase, answered, _, _ in phases:
+    assert strict.ok >= 20
+    for phase, answered, _, _, strict_failed in phases:
         assert answered >= 5, (phase, phases)
+        # Only the SIGKILL may cut a request (one in flight on the killed process, or sent as it died); a
+        # failure counts in the phase it happened in.
+        assert phase == "sigkill" or strict_failed == [], (phase, strict_failed)
 
     # The same worker processes, never restarted, with one model load each.
     after = live_ready_workers(core, workspace, name)

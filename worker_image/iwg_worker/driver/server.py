@@ -1,5 +1,12 @@
 """Run a driver: HTTP server up, wait for SIGTERM/SIGINT, then stop taking requests, finish the admitted
-ones, and close the pool. Shared by `iwg-driver` (in a pod) and `iwg serve` (on one machine)."""
+ones, and close the pool. Shared by `iwg-driver` (in a pod) and `iwg serve` (on one machine).
+
+From the signal on, every answer says `Connection: close`, so a client that keeps sending moves to a new
+connection (through a Service: to another driver) after its current request instead of finding its kept-alive
+connection closed under a request it just sent. `lame_duck_s` keeps serving that long before the listener
+closes and idle connections are closed (`iwg-driver` uses it; in a cluster the Service also needs a moment to
+stop sending new connections to a pod being deleted).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from iwg_worker.driver.app import build_app
 from iwg_worker.driver.service import Driver
@@ -26,18 +33,27 @@ async def run_driver(
     stop: asyncio.Event | None = None,
     on_listening: Callable[[int], Awaitable[None] | None] | None = None,
     drain_timeout_s: float = 30.0,
+    lame_duck_s: float = 0.0,
 ) -> None:
     """Serve until `stop` is set or SIGTERM/SIGINT arrives; `on_listening(port)` runs once HTTP is bound."""
-    stop = stop or asyncio.Event()
+    stopping = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping.set)
     driver.start()
+    app = build_app(driver, admin_token)
+
+    async def close_after_answer(request: web.Request, response: web.StreamResponse) -> None:
+        if stopping.is_set():
+            # aiohttp set its Connection header before this hook runs (and sends the headers after it): closing
+            # the connection without saying so would cut the client's next request on it.
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
+
+    app.on_response_prepare.append(close_after_answer)
     # A client that goes away cancels its handler: a generation request is then cancelled on the worker.
-    runner = web.AppRunner(
-        build_app(driver, admin_token), handle_signals=False, access_log=None, handler_cancellation=True
-    )
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
@@ -48,7 +64,10 @@ async def run_driver(
             result = on_listening(bound)
             if result is not None:
                 await result
-        await stop.wait()
+        await stopping.wait()
+        if lame_duck_s > 0:
+            log.info("stopping: serving %.1f s more, each answer closing its connection", lame_duck_s)
+            await asyncio.sleep(lame_duck_s)
         log.info("stopping: finishing admitted requests (up to %.0f s)", drain_timeout_s)
     finally:
         # Stop accepting connections, let admitted requests finish, then stop the dispatcher and the pool.
