@@ -147,6 +147,7 @@ def test_a_driver_that_does_not_answer_holds_a_scale_down_only_for_the_drain_tim
     events = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
     failed = [e.message for e in events if e.reason == "DrainFailed"]
     assert len(failed) == 1 and "replicas 1 not drained" in failed[0], failed
+    assert f"driver pod {driver.metadata.name}:" in failed[0], failed  # which driver did not answer
     # The drain request waits drainTimeoutSeconds plus 10 s for the driver's answer, then the pods go.
     assert 2 <= held < 2 + 10 + 15, held
 
