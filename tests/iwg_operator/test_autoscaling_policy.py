@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+
+import aiohttp
 import pytest
 from iwg_operator.api.v1alpha1 import AutoscalingSpec
 from iwg_operator.autoscaling.policy import (
@@ -16,6 +19,7 @@ from iwg_operator.autoscaling.policy import (
     stabilize,
 )
 from iwg_operator.autoscaling.scaler import GroupScaler
+from iwg_operator.driver_admin import DriverPod
 
 METRICS = """# HELP iwg_queue_depth Inputs waiting
 # TYPE iwg_queue_depth gauge
@@ -192,3 +196,18 @@ def test_latency_is_compared_only_between_scrapes_of_the_same_driver_processes()
     assert metric_value(s, 2, combine_samples(restarted), second) is None
     with pytest.raises(MetricsError):
         combine_samples({})
+
+
+async def test_one_driver_that_cannot_be_read_holds_the_scaler_naming_its_pod() -> None:
+    # Nothing listens on the port: each scrape is refused, as for drivers that died between the pod list and
+    # the scrape. The scaler names the first driver (in the list's order) that could not be read, and holds.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    drivers = [DriverPod("g-driver-a", "127.0.0.1"), DriverPod("g-driver-b", "127.0.0.1", restarts=1)]
+    scaler = GroupScaler()
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(MetricsError, match="driver pod g-driver-a") as refused:
+            await scaler.scrape(http, drivers, closed_port)
+    held = scaler.decide(None, str(refused.value), 2, spec())
+    assert (held.replicas, held.reason) == (None, "MetricsUnavailable") and "g-driver-a" in held.message
