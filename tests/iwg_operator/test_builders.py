@@ -178,6 +178,12 @@ def test_several_drivers_roll_one_at_a_time_behind_a_budget_and_a_headless_servi
     assert builders.pod_disruption_budget(three)["spec"]["selector"]["matchLabels"] != selector
 
 
+def test_a_driver_pod_has_the_time_to_finish_what_it_admitted_before_it_is_killed() -> None:
+    pod = builders.driver_deployment(group())["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace > wiring.DRIVER_LAME_DUCK_S + wiring.DRIVER_DRAIN_S > 30  # Kubernetes' default would cut it
+
+
 def test_driver_replicas_are_bounded() -> None:
     for bad in (0, api.MAX_DRIVER_REPLICAS + 1):
         with pytest.raises(api.ManifestError, match=r"driver\.replicas"):

@@ -26,6 +26,9 @@ from iwg_operator.builders.common import (
     with_spec_hash,
 )
 
+# Seconds from SIGTERM to SIGKILL for a driver pod: its lame-duck moment and its drain, with room to exit.
+DRIVER_GRACE_S = int(wiring.DRIVER_LAME_DUCK_S + wiring.DRIVER_DRAIN_S) + 5
+
 
 def driver_env(group: Group) -> list[Manifest]:
     spec = group.spec
@@ -111,6 +114,8 @@ def driver_deployment(group: Group) -> Manifest:
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
                     "securityContext": restricted_pod_security(),
+                    # SIGTERM to SIGKILL: the driver's lame-duck moment and its drain of admitted requests.
+                    "terminationGracePeriodSeconds": DRIVER_GRACE_S,
                     "containers": [container],
                     "volumes": [
                         tmp_volume(spec.driver.tmp_size),

@@ -23,10 +23,6 @@ from iwg_operator.api import wiring
 from iwg_worker.driver.service import DriverConfig
 from iwg_worker.model_dir import context_length, vocab_size
 
-# After SIGTERM, the driver pod keeps serving this long (each answer closing its connection) before it stops
-# accepting: the Service stops sending it new connections meanwhile, and clients move their kept-alive ones.
-LAME_DUCK_S = 2.0
-
 
 class ConfigError(ValueError):
     pass
@@ -127,7 +123,16 @@ async def _run(env: Mapping[str, str]) -> None:
         executor.rpc_endpoint,
         executor.response_endpoint,
     )
-    await run_driver(Driver(config, pool), host, port, token, lame_duck_s=LAME_DUCK_S)
+    # After SIGTERM the pod keeps serving a moment (each answer closing its connection) before it stops
+    # accepting: the Service stops sending it new connections meanwhile, and clients move their kept-alive ones.
+    await run_driver(
+        Driver(config, pool),
+        host,
+        port,
+        token,
+        drain_timeout_s=wiring.DRIVER_DRAIN_S,
+        lame_duck_s=wiring.DRIVER_LAME_DUCK_S,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

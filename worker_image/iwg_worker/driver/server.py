@@ -17,6 +17,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
+from iwg_operator.api import wiring
 
 from iwg_worker.driver.app import build_app
 from iwg_worker.driver.service import Driver
@@ -32,7 +33,7 @@ async def run_driver(
     *,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[int], Awaitable[None] | None] | None = None,
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float = wiring.DRIVER_DRAIN_S,
     lame_duck_s: float = 0.0,
 ) -> None:
     """Serve until `stop` is set or SIGTERM/SIGINT arrives; `on_listening(port)` runs once HTTP is bound."""
