@@ -79,26 +79,24 @@ async def drain_replicas(
     replicas: Iterable[int],
     timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     undrain: bool = False,
-) -> list[int]:
-    """Drains each replica in one driver (no new batches; returns once its in-flight ones finished or `timeout`
-    passed), or undrains it; returns the replicas the driver knew (a 404 is a replica it never saw)."""
-    known = []
+) -> None:
+    """Drains the replicas in one driver, all at once (no new batches to any of them; returns once their
+    in-flight ones finished or `timeout` passed), or undrains them. A replica the driver never saw (404) has
+    nothing to drain."""
     action = "undrain" if undrain else f"drain?timeout={min(timeout, DRIVER_MAX_DRAIN_S):g}"
-    for replica in replicas:
-        url = f"{base_url}/admin/replicas/{replica}/{action}"
+
+    async def one(replica: int) -> None:
         async with http.post(
-            url,
+            f"{base_url}/admin/replicas/{replica}/{action}",
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=timeout + 10, sock_connect=CONNECT_TIMEOUT_S),
         ) as response:
-            if response.status == 404:  # the driver never saw this replica: nothing to drain
-                continue
-            if response.status != 200:
+            if response.status not in (200, 404):
                 raise DrainError(
                     f"{action.split('?')[0]} of replica {replica} answered HTTP {response.status}"
                 )
-            known.append(replica)
-    return known
+
+    await asyncio.gather(*(one(r) for r in replicas))
 
 
 async def drain_in_drivers(
@@ -111,7 +109,7 @@ async def drain_in_drivers(
     undrain: bool = False,
 ) -> None:
     """Drains (or undrains) `replicas` in every driver at once, so the slowest drain bounds the wait rather
-    than their sum. `DrainError` names each driver pod that could not be asked or refused."""
+    than their sum (within a driver too: `drain_replicas`). `DrainError` names each driver pod that could not be asked or refused."""
     wanted = list(replicas)
     results = await asyncio.gather(
         *(

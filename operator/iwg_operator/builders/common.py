@@ -126,6 +126,13 @@ def with_spec_hash(manifest: Manifest) -> Manifest:
     return manifest
 
 
+def service(group: Group, name: str, component: str, spec: Manifest) -> Manifest:
+    """A Service of the group's, stamped with its spec hash."""
+    return with_spec_hash(
+        {"apiVersion": "v1", "kind": "Service", "metadata": metadata(group, name, component), "spec": spec}
+    )
+
+
 def restricted_container_security() -> Manifest:
     return {
         "allowPrivilegeEscalation": False,

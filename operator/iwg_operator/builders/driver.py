@@ -22,6 +22,7 @@ from iwg_operator.builders.common import (
     restricted_container_security,
     restricted_pod_security,
     secret_name,
+    service,
     tmp_volume,
     with_spec_hash,
 )
@@ -133,35 +134,33 @@ def driver_deployment(group: Group) -> Manifest:
 
 
 def driver_service(group: Group) -> Manifest:
-    manifest: Manifest = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(group, driver_name(group.name), labels.COMPONENT_DRIVER),
-        "spec": {
+    return service(
+        group,
+        driver_name(group.name),
+        labels.COMPONENT_DRIVER,
+        {
             "type": "ClusterIP",
             "selector": labels.driver_selector(group.name),
             "ports": [
                 {"name": "http", "port": group.spec.driver.port, "targetPort": "http", "protocol": "TCP"},
             ],
         },
-    }
-    return with_spec_hash(manifest)
+    )
 
 
 def drivers_service(group: Group) -> Manifest:
     """Headless, and listing drivers before they are Ready: a driver is Ready only once workers joined it."""
-    manifest: Manifest = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(group, drivers_service_name(group.name), labels.COMPONENT_DRIVER),
-        "spec": {
+    return service(
+        group,
+        drivers_service_name(group.name),
+        labels.COMPONENT_DRIVER,
+        {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": labels.driver_selector(group.name),
             "ports": _zmq_ports(),
         },
-    }
-    return with_spec_hash(manifest)
+    )
 
 
 def driver_disruption_budget(group: Group) -> Manifest:

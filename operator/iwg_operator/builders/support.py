@@ -20,6 +20,7 @@ from iwg_operator.builders.common import (
     network_policy_name,
     pdb_name,
     secret_name,
+    service,
     with_spec_hash,
 )
 from iwg_operator.builders.workers import revision
@@ -27,11 +28,11 @@ from iwg_operator.builders.workers import revision
 
 def headless_service(group: Group) -> Manifest:
     """Per-pod DNS for the workers (rank 0 is the torch.distributed rendezvous)."""
-    manifest: Manifest = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(group, headless_service_name(group.name), labels.COMPONENT_WORKER),
-        "spec": {
+    return service(
+        group,
+        headless_service_name(group.name),
+        labels.COMPONENT_WORKER,
+        {
             "clusterIP": "None",
             # Ranks need each other's names before any of them is ready.
             "publishNotReadyAddresses": True,
@@ -41,8 +42,7 @@ def headless_service(group: Group) -> Manifest:
                 {"name": "health", "port": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"},
             ],
         },
-    }
-    return with_spec_hash(manifest)
+    )
 
 
 def curve_secret(group: Group, public_key: bytes, secret_key: bytes, admin_token: str) -> Manifest:
