@@ -191,6 +191,14 @@ def driver_endpoints(rpc_endpoints: str, response_endpoints: str) -> list[tuple[
     return list(dict.fromkeys(pairs))
 
 
+def _request_ids(call: protocol.Call) -> list[str]:
+    """The ids of the generation requests an ``engine_add`` call carries."""
+    requests = call.args[0] if call.args else None
+    if not isinstance(requests, list):
+        return []
+    return [r["id"] for r in requests if isinstance(r, dict) and isinstance(r.get("id"), str)]
+
+
 @dataclass(eq=False, slots=True)
 class _DriverLink:
     """One driver: calls and pings come in on ``rpc`` (DEALER), hello, heartbeats, replies and goodbye go out
@@ -410,13 +418,9 @@ class WorkerProc:
 
     def _own_streams(self, call: protocol.Call, link: _DriverLink) -> None:
         """Remember which driver starts the generation requests of an ``engine_add`` call."""
-        requests = call.args[0] if call.args else None
-        if not isinstance(requests, list):
-            return
         with self._stream_lock:
-            for request in requests:
-                if isinstance(request, dict) and isinstance(request.get("id"), str):
-                    self._stream_links[request["id"]] = link
+            for rid in _request_ids(call):
+                self._stream_links[rid] = link
 
     def _disown(self, request_ids: Iterable[str]) -> None:
         """Forget requests the engine refused (they never stream)."""
@@ -504,7 +508,7 @@ class WorkerProc:
         """Open a link to each driver newly named, close those no longer named (busy loop thread)."""
         wanted = self._wanted
         links = self.links
-        if wanted == tuple(link.endpoints for link in links):
+        if set(wanted) == {link.endpoints for link in links}:  # the links keep their own order
             return links
         kept = [link for link in links if link.endpoints in wanted]
         for link in links:
@@ -706,6 +710,10 @@ class WorkerProc:
             self.metrics.for_method(label)[1].inc()
             log.exception("call %r (id %d) failed", call.method, call.id)
             error = protocol.RemoteErrorInfo(type(exc).__name__, str(exc), traceback.format_exc())
+            if (
+                tracks_streams
+            ):  # the driver fails these requests; anything that did start streams to every link
+                self._disown(_request_ids(call))
             self._emit_reply(protocol.encode_reply(call.id, self.replica, self.rank, error=error), link)
             return
         finally:
