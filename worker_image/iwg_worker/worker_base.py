@@ -10,10 +10,12 @@ from typing import Any, Literal
 Task = Literal["embed", "generate", "none"]
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 DtypeChoice = Literal["auto", "float32", "float16", "bfloat16"]
+EngineChoice = Literal["auto", "vllm", "transformers"]
 
 TASKS: tuple[str, ...] = ("embed", "generate", "none")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+ENGINES: tuple[str, ...] = ("auto", "vllm", "transformers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,7 @@ class WorkerConfig:
     max_seq_length: int | None = None
     kv_cache_blocks: int | None = None  # generate: KV cache size in blocks, or
     kv_cache_memory_fraction: float | None = None  # ... a fraction of free device memory
+    engine: EngineChoice = "auto"  # generate: vLLM's engine, transformers' continuous batching, or auto
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class WorkerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.task != "none" and not self.model_path:
             raise ValueError(f"model_path is required for task {self.task!r}")
         if self.world_size < 1:

@@ -143,6 +143,7 @@ class WorkerProcConfig:
             served_name=env.get(wiring.SERVED_NAME, ""),
             device=env.get(wiring.DEVICE) or "auto",  # type: ignore[arg-type]
             dtype=env.get(wiring.DTYPE) or "auto",  # type: ignore[arg-type]
+            engine=env.get(wiring.ENGINE) or "auto",  # type: ignore[arg-type]
             group=env.get(wiring.GROUP) or "local",
             replica=integer(wiring.REPLICA, 0),
             rank=integer(wiring.RANK, 0),

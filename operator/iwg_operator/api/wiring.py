@@ -64,6 +64,7 @@ SERVED_NAME: Final = "IWG_SERVED_NAME"
 KV_CACHE_BLOCKS: Final = "IWG_KV_CACHE_BLOCKS"  # generate: KV cache size in blocks
 KV_CACHE_MEMORY_FRACTION: Final = "IWG_KV_CACHE_MEMORY_FRACTION"  # or a fraction of free device memory
 DTYPE: Final = "IWG_DTYPE"  # auto | float32 | float16 | bfloat16
+ENGINE: Final = "IWG_ENGINE"  # generate: auto | vllm | transformers
 DEVICE: Final = "IWG_DEVICE"  # auto | cuda | cpu
 WORKER_CLS: Final = "IWG_WORKER_CLS"
 WORKER_EXTENSION_CLS: Final = "IWG_WORKER_EXTENSION_CLS"

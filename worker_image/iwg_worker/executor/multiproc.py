@@ -78,6 +78,7 @@ def worker_env(
         wiring.SERVED_NAME: config.served_name,
         wiring.DEVICE: config.device,
         wiring.DTYPE: config.dtype,
+        wiring.ENGINE: config.engine,
         wiring.WORKER_CLS: worker_cls,
         wiring.TORCH_RANK: str(config.rank),
         wiring.TORCH_WORLD_SIZE: str(config.world_size),
