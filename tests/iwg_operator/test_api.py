@@ -74,6 +74,8 @@ def test_camel_case_round_trip() -> None:
         (("spec", "worker", "gpus"), 17, "spec.worker.gpus"),
         (("spec", "worker", "shmSize"), "lots", "spec.worker.shmSize"),
         (("spec", "model", "task"), "classify", "spec.model.task"),
+        (("spec", "model", "engine"), "tensorrt", "spec.model.engine"),
+        (("spec", "model", "engine"), "vllm", "spec.model.engine"),
         (("spec", "worker", "imagePull"), "x", "spec.worker.imagePull"),
         (("spec", "health", "restartPolicy"), "Node", "spec.health.restartPolicy"),
         (("spec", "worker", "env"), [{"name": "IWG_RANK", "value": "3"}], "spec.worker.env"),
@@ -110,6 +112,25 @@ def test_parse_spec_prefixes_spec() -> None:
     with pytest.raises(ManifestError) as info:
         parse_spec({"model": {"task": "embed", "path": "/m"}, "worldSize": 100})
     assert info.value.errors[0][0] == "spec.worldSize"
+
+
+def test_engine_defaults_to_auto_and_vllm_is_for_generation_only() -> None:
+    assert load_manifest(minimal()).spec.model.engine == "auto"
+    for task in ("embed", "generate"):
+        for engine in ("auto", "transformers"):
+            assert (
+                parse_spec({"model": {"task": task, "path": "/m", "engine": engine}}).model.engine == engine
+            )
+    assert parse_spec({"model": {"task": "generate", "path": "/m", "engine": "vllm"}}).model.engine == "vllm"
+    with pytest.raises(ManifestError) as info:
+        parse_spec({"model": {"task": "embed", "path": "/m", "engine": "vllm"}})
+    assert info.value.errors == [
+        (
+            "spec.model",
+            "spec.model.engine vllm needs spec.model.task generate (an embed group runs no generation engine; "
+            "leave spec.model.engine at auto)",
+        )
+    ]
 
 
 def test_pkg_path_of_missing_package() -> None:

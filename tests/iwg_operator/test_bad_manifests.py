@@ -36,6 +36,8 @@ ADMISSION_CASES: list[tuple[str, tuple[str | int, ...], Any, str]] = [
     ("task-enum", ("spec", "model", "task"), "classify", "spec.model.task"),
     ("empty-path", ("spec", "model", "path"), "", "spec.model.path"),
     ("dtype-enum", ("spec", "model", "dtype"), "int4", "spec.model.dtype"),
+    ("engine-enum", ("spec", "model", "engine"), "tensorrt", "spec.model.engine"),
+    ("engine-vllm-embed", ("spec", "model", "engine"), "vllm", "spec.model.engine"),
     ("served-name", ("spec", "model", "servedName"), "has space", "spec.model.servedName"),
     ("volume-path", ("spec", "model", "volume"), {"claimName": "models", "mountPath": "/data"}, "spec.model.path"),
     ("replicas-negative", ("spec", "replicas"), -1, "spec.replicas"),

@@ -54,7 +54,8 @@ def test_every_wiring_name_for_workers_is_written() -> None:
         wiring.GROUP, wiring.NAMESPACE, wiring.REPLICA, wiring.RANK, wiring.WORLD_SIZE, wiring.POD_NAME,
         wiring.POD_IP, wiring.RPC_ENDPOINT, wiring.RESPONSE_ENDPOINT, wiring.CURVE_DIR, wiring.HEALTH_PORT,
         wiring.MASTER_ADDR, wiring.MASTER_PORT, wiring.TORCH_RANK, wiring.TORCH_WORLD_SIZE, wiring.MODEL_TASK,
-        wiring.MODEL_PATH, wiring.SERVED_NAME, wiring.DTYPE, wiring.DEVICE, wiring.LOCAL_RANK,
+        wiring.MODEL_PATH, wiring.SERVED_NAME, wiring.DTYPE, wiring.ENGINE, wiring.DEVICE,
+        wiring.LOCAL_RANK,
     }  # fmt: skip
     assert expected <= names
 
@@ -397,3 +398,20 @@ def test_kv_cache_size_reaches_the_workers_and_takes_one_form() -> None:
     assert wiring.KV_CACHE_BLOCKS not in unset and wiring.KV_CACHE_MEMORY_FRACTION not in unset
     with pytest.raises(Exception, match="blocks or memoryFraction, not both"):
         worker_env(blocks=512, memoryFraction=0.5)
+
+
+def test_the_engine_choice_reaches_the_workers_and_rolls_them_but_not_the_driver() -> None:
+    def generate(**model: Any) -> builders.Group:
+        return group(model={"task": "generate", "path": "/models/lm", **model})
+
+    def engine_env(g: builders.Group) -> Any:
+        return env_of(builders.worker_pod(g, 0, 0, SETTINGS)["spec"]["containers"][0])[wiring.ENGINE]
+
+    for engine in ("auto", "vllm", "transformers"):
+        assert engine_env(generate(engine=engine)) == engine
+    assert engine_env(generate()) == "auto"
+    assert builders.revision(generate(engine="vllm"), SETTINGS) != builders.revision(generate(), SETTINGS)
+    # The driver does not read it: a changed engine replaces the workers, not the driver.
+    driver = builders.driver_deployment(generate(engine="vllm"))["spec"]["template"]
+    assert driver == builders.driver_deployment(generate())["spec"]["template"]
+    assert wiring.ENGINE not in env_of(driver["spec"]["containers"][0])

@@ -49,6 +49,13 @@ def test_cross_field_rules_reach_the_crd() -> None:
     assert any("minReplicas" in r["rule"] and "spec.autoscaling.minReplicas" in r["message"] for r in rules)
 
 
+def test_the_engine_defaults_to_auto_and_vllm_is_refused_for_embed_by_the_api_server() -> None:
+    model = crdgen.openapi_schema()["properties"]["spec"]["properties"]["model"]
+    assert model["properties"]["engine"]["default"] == "auto"
+    rule = next(r for r in model["x-kubernetes-validations"] if r.get("fieldPath") == ".engine")
+    assert "spec.model.engine" in rule["message"] and "'vllm'" in rule["rule"]
+
+
 def test_check_mode_detects_drift(tmp_path: Path) -> None:
     assert crdgen.main(["--root", str(tmp_path)]) == 0
     assert crdgen.main(["--root", str(tmp_path), "--check"]) == 0

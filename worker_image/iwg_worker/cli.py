@@ -118,7 +118,12 @@ def serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     try:
-        asyncio.run(_serve_http(group, executor, replicas, token, args))
+        engine = (
+            _engine_words(executor, replicas, group.spec.model.engine)
+            if group.spec.model.task == "generate"
+            else None
+        )
+        asyncio.run(_serve_http(group, executor, replicas, token, args, engine))
     finally:
         executor.shutdown()
     print("iwg serve: stopped", file=sys.stderr)
@@ -137,6 +142,27 @@ def _sharding_refusal(model_path: Path, world_size: int) -> str | None:
     except ShardingRefused as exc:
         return str(exc)
     return None
+
+
+def _engine_words(executor: Any, replicas: int, requested: str) -> str:
+    """What the start line says of the generation engine: the one every replica resolved (`engine vllm`), each
+    replica's when they differ, or the requested choice when a replica does not say (`engine auto requested`).
+    """
+    from iwg_worker.executor.base import DEFAULT_HEALTH_TIMEOUT_S
+
+    resolved: list[object] = []
+    for replica in range(replicas):
+        try:
+            report = executor.check_health(timeout=DEFAULT_HEALTH_TIMEOUT_S, replica=replica)[0]
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("replica %d did not say which engine it runs: %s", replica, exc)
+            report = {}
+        resolved.append(report.get("engine") if isinstance(report, dict) else None)
+    if not all(isinstance(engine, str) for engine in resolved):
+        return f"engine {requested} requested"
+    if len(set(resolved)) == 1:
+        return f"engine {resolved[0]}"
+    return "engines " + ", ".join(f"replica {replica} {engine}" for replica, engine in enumerate(resolved))
 
 
 def _admin_token(path: Path | None) -> str | None:
@@ -174,16 +200,18 @@ def _start_workers(
         served_name=group.served_name,
         device=spec.worker.device,
         dtype=spec.model.dtype,
+        engine=spec.model.engine,
         group=group.name,
         kv_cache_blocks=spec.model.kv_cache.blocks if spec.model.kv_cache else None,
         kv_cache_memory_fraction=spec.model.kv_cache.memory_fraction if spec.model.kv_cache else None,
     )
     log.info(
-        "starting %d replica(s) x %d rank(s) of %r (%s) from %s",
+        "starting %d replica(s) x %d rank(s) of %r (%s%s) from %s",
         replicas,
         world,
         group.name,
         spec.model.task,
+        f", engine {spec.model.engine}" if spec.model.task == "generate" else "",
         model_path,
     )
     if args.executor == "ray":
@@ -221,7 +249,12 @@ def _start_workers(
 
 
 async def _serve_http(
-    group: InferenceWorkerGroup, executor: Any, replicas: int, token: str, args: argparse.Namespace
+    group: InferenceWorkerGroup,
+    executor: Any,
+    replicas: int,
+    token: str,
+    args: argparse.Namespace,
+    engine: str | None = None,
 ) -> None:
     from iwg_worker.driver.executor_pool import ExecutorPool
     from iwg_worker.driver.server import run_driver
@@ -244,10 +277,8 @@ async def _serve_http(
 
     def listening(bound: int) -> None:
         # One line a script can wait for; the token goes to stderr only when we made it up.
-        print(
-            f"iwg serve: {group.served_name} on http://{args.host}:{bound}/v1 ({replicas} replicas)",
-            flush=True,
-        )
+        shape = f"{replicas} replicas" + (f", {engine}" if engine else "")
+        print(f"iwg serve: {group.served_name} on http://{args.host}:{bound}/v1 ({shape})", flush=True)
         if args.admin_token_file is None:
             print(f"iwg serve: admin token (Authorization: Bearer): {token}", file=sys.stderr, flush=True)
 

@@ -312,6 +312,18 @@ class ModelSpec(ApiModel):
     kv_cache: KvCacheSpec | None = Field(
         default=None, description="KV cache size of each generation replica (task `generate` only)."
     )
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto",
+        description=(
+            "Generation engine of each replica (task `generate`): `auto` runs vLLM's engine where the worker "
+            "image has vLLM installed and vLLM supports the model's architecture (a Hugging Face model "
+            "directory), else transformers' continuous-batching engine; `vllm` requires vLLM's engine: a worker "
+            "whose image lacks vLLM or whose model vLLM cannot load fails to start, and the group's Degraded "
+            "condition (reason WorkerFailed) gives the reason; `transformers` always runs transformers' "
+            "continuous-batching engine (which also loads GGUF files without conversion). status.engine shows "
+            "the engine the workers chose. Task `embed` runs no generation engine: `vllm` is refused there."
+        ),
+    )
 
     cross_field_rules = (
         CrossFieldRule(
@@ -343,6 +355,15 @@ class ModelSpec(ApiModel):
             message="spec.model.path cannot be a pkg: path when spec.model.volume is set",
             check=lambda m: m.volume is None or not m.path.startswith(PACKAGE_PATH_PREFIX),
             field_path=".path",
+        ),
+        CrossFieldRule(
+            cel="self.task == 'generate' || !has(self.engine) || self.engine != 'vllm'",
+            message=(
+                "spec.model.engine vllm needs spec.model.task generate (an embed group runs no generation "
+                "engine; leave spec.model.engine at auto)"
+            ),
+            check=lambda m: m.task == "generate" or m.engine != "vllm",
+            field_path=".engine",
         ),
     )
 

@@ -78,6 +78,8 @@ def worker_env(group: Group, replica: int, rank: int, settings: BuildSettings) -
         # it runs on the first.
         {"name": wiring.LOCAL_RANK, "value": "0"},
         *model_env(group),
+        # Workers only (not in model_env): the driver does not read it, so a change rolls no driver.
+        {"name": wiring.ENGINE, "value": spec.model.engine},
         {"name": wiring.DEVICE, "value": spec.worker.device},
     ]
     if spec.worker.worker_cls:
