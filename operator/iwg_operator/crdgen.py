@@ -192,6 +192,12 @@ def crd() -> dict[str, Any]:
                         _column(
                             "Phase", "string", ".status.phase", "Pending, Progressing, Running, Degraded"
                         ),
+                        _column(
+                            "Engine",
+                            "string",
+                            ".status.engine",
+                            "Generation engine the workers report (vllm, transformers; both while they differ)",
+                        ),
                         _column("Age", "date", ".metadata.creationTimestamp", ""),
                     ],
                 }

@@ -2,7 +2,7 @@
 
 The handlers start it for every accepted group and stop it when the group goes. It reads what the reconciler
 knows (spec, pods from the index, the latest status) and acts only through deletes of failed pods, the
-group's spec.replicas, its status counters and conditions, and Events.
+group's spec.replicas, its status counters, engine and conditions, and Events.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class Supervisor:
         fields: dict[str, Any] = (
             {"restartCount": prober.restart_count} if prober.restart_count != counted else {}
         )
+        fields["engine"] = result.engine  # None removes it (a merge patch); written only when it changed
         listed = state.current_status.get("avoidedNodes") or []
         unexpired = current_avoided(listed, now_rfc3339())
         if len(unexpired) != len(listed):

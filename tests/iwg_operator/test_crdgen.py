@@ -49,7 +49,11 @@ def test_cross_field_rules_reach_the_crd() -> None:
     assert any("minReplicas" in r["rule"] and "spec.autoscaling.minReplicas" in r["message"] for r in rules)
 
 
-def test_the_engine_defaults_to_auto_and_vllm_is_refused_for_embed_by_the_api_server() -> None:
+def test_the_engine_is_a_column_and_vllm_is_refused_for_embed_by_the_api_server() -> None:
+    version = crdgen.crd()["spec"]["versions"][0]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Engine"] == ".status.engine"
+    assert list(columns).index("Engine") == list(columns).index("Phase") + 1
     model = crdgen.openapi_schema()["properties"]["spec"]["properties"]["model"]
     assert model["properties"]["engine"]["default"] == "auto"
     rule = next(r for r in model["x-kubernetes-validations"] if r.get("fieldPath") == ".engine")

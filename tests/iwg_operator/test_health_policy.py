@@ -14,6 +14,7 @@ from iwg_operator.health.policy import (
     avoid_nodes,
     backoff_delay,
     current_avoided,
+    group_engine,
     judge_health_response,
     observe,
     pods_to_replace,
@@ -50,6 +51,44 @@ def test_health_answers_are_judged() -> None:
         503, {"alive": False, "worker": {"device_available": False, "device_note": "Xid 79"}}, None
     )
     assert fault.device_fault and "Xid 79" in fault.reason
+
+
+def test_a_healthy_answer_carries_the_engine_its_worker_resolved() -> None:
+    def engine_of(report: dict[str, Any]) -> str | None:
+        return judge_health_response(200, {"alive": True, "worker": report}, None).engine
+
+    assert engine_of({"device_available": True, "engine": "vllm"}) == "vllm"
+    assert engine_of({"device_available": True, "engine": "transformers"}) == "transformers"
+    # embed (null), a worker that does not say (an older image), or a value no engine has: none.
+    for report in ({"engine": None}, {}, {"engine": "auto"}, {"engine": ["vllm"]}):
+        assert engine_of({"device_available": True, **report}) is None
+    assert judge_health_response(200, {"alive": True}, None).engine is None
+    assert judge_health_response(503, {"worker": {"engine": "vllm"}}, None).engine is None
+
+
+def test_a_pod_remembers_the_engine_of_its_last_healthy_answer() -> None:
+    memory, p = PodHealth(), pod(0, 0)
+    observe(memory, p, ProbeOutcome(True, engine="vllm"), 3, now=1.0)
+    assert memory.engine == "vllm"
+    observe(memory, p, ProbeOutcome(False, "timeout"), 3, now=2.0)
+    assert memory.engine == "vllm", "a missed check says nothing about the engine"
+    observe(memory, p, ProbeOutcome(True), 3, now=3.0)
+    assert memory.engine is None
+
+
+@pytest.mark.parametrize(
+    ("engines", "shown"),
+    [
+        (["vllm", "vllm"], "vllm"),
+        (["transformers"], "transformers"),
+        (["vllm", None, "vllm"], "vllm"),  # a pod not yet answered counts for nothing
+        (["vllm", "transformers", "vllm"], "transformers,vllm"),  # mid-rollout: every engine, sorted
+        ([None, None], None),  # embed, or no answer yet
+        ([], None),  # no workers
+    ],
+)
+def test_the_group_engine_is_what_its_workers_report(engines: list[str | None], shown: str | None) -> None:
+    assert group_engine(engines) == shown
 
 
 def test_failures_count_only_after_a_first_healthy_answer() -> None:

@@ -139,7 +139,7 @@ def test_kubectl_scale_and_columns(
     assert sorted(p.metadata.name for p in groups.live_pods("sc")) == ["sc-r0-w0", "sc-r1-w0", "sc-r2-w0"]
 
     table = control_plane.kubectl("get", "iwg", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "REPLICAS", "READY", "WORLD", "PHASE", "AGE"]
+    assert table[0].split() == ["NAME", "REPLICAS", "READY", "WORLD", "PHASE", "ENGINE", "AGE"]
     assert table[1].split()[:5] == ["sc", "3", "3", "1", "Running"]
     scale = control_plane.kubectl("get", "--raw", f"/apis/inference.iwg.dev/v1alpha1/namespaces/{ns}/"
                                   "inferenceworkergroups/sc/scale").stdout  # fmt: skip

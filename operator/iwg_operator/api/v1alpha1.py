@@ -1023,6 +1023,15 @@ class InferenceWorkerGroupStatus(ApiModel):
             "get a required node anti-affinity to them, also after an operator restart."
         ),
     )
+    engine: str | None = Field(
+        default=None,
+        description=(
+            "Generation engine the group's workers run (`vllm` or `transformers`), as their health checks "
+            "report it (spec.model.engine `auto` resolved per worker). While workers disagree (a rollout that "
+            "changes the engine, or an `auto` group on mixed images) every engine seen, sorted and joined by "
+            "commas (`transformers,vllm`). Unset for task `embed` and while no worker has answered a health check."
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ top level

@@ -13,12 +13,16 @@ from typing import Any, Literal
 from iwg_operator.api.v1alpha1 import HealthSpec
 from iwg_operator.planning import ObservedPod
 
+# The generation engines a worker reports in its deep health answer (`worker.engine`).
+ENGINES = ("vllm", "transformers")
+
 
 @dataclass(frozen=True)
 class ProbeOutcome:
     healthy: bool
     reason: str = ""
     device_fault: bool = False
+    engine: str | None = None  # the generation engine a healthy worker reported (None: embed, or not said)
 
 
 HEALTHY = ProbeOutcome(True)
@@ -43,7 +47,16 @@ def judge_health_response(
         if report and report.get("alive") is False:
             detail = f": busy loop silent for {report.get('busy_loop_age_s')}s"
         return ProbeOutcome(False, f"health check answered HTTP {status}{detail}")
-    return HEALTHY
+    engine = worker.get("engine") if isinstance(worker, Mapping) else None
+    return ProbeOutcome(True, engine=engine) if engine in ENGINES else HEALTHY
+
+
+def group_engine(engines: Iterable[str | None]) -> str | None:
+    """status.engine from the engines the group's live workers last reported: the one engine they share, or
+    during a change every engine seen, sorted and joined by commas (`transformers,vllm`); None when none
+    reported one (task embed, no worker answered yet, no workers)."""
+    seen = sorted({e for e in engines if e is not None})
+    return ",".join(seen) or None
 
 
 @dataclass
@@ -57,6 +70,7 @@ class PodHealth:
     last_reason: str = ""
     device_fault: bool = False
     failed_since: float | None = None
+    engine: str | None = None  # the generation engine of its last healthy answer
 
 
 def observe(
@@ -85,6 +99,7 @@ def observe(
         memory.failures = 0
         memory.failed_since = None
         memory.device_fault = False
+        memory.engine = outcome.engine
         return False
     else:
         memory.failures += 1

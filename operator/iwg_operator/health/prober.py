@@ -22,6 +22,7 @@ from iwg_operator.api.v1alpha1 import HealthSpec
 from iwg_operator.health.policy import (
     PodHealth,
     ProbeOutcome,
+    group_engine,
     judge_health_response,
     observe,
     pods_to_replace,
@@ -49,6 +50,7 @@ class Replacement:
 class RoundResult:
     replacements: list[Replacement] = field(default_factory=list)
     exhausted: str | None = None  # the budget message, while replacements are refused
+    engine: str | None = None  # status.engine: what the live workers last reported (group_engine)
 
 
 async def probe_worker(
@@ -135,6 +137,7 @@ class GroupProber:
             )
             for member in members:
                 self.pods.pop(member.uid, None)
+        result.engine = group_engine(memory.engine for memory in self.pods.values())
         return result
 
 
