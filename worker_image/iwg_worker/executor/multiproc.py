@@ -89,6 +89,8 @@ def worker_env(
         env[wiring.INSECURE_TCP] = "1"
     if worker_extension_cls:
         env[wiring.WORKER_EXTENSION_CLS] = worker_extension_cls
+    if config.enforce_eager:
+        env[wiring.ENFORCE_EAGER] = "1"
     if config.kv_cache_blocks:
         env[wiring.KV_CACHE_BLOCKS] = str(config.kv_cache_blocks)
     if config.kv_cache_memory_fraction:
