@@ -76,6 +76,12 @@ def test_camel_case_round_trip() -> None:
         (("spec", "model", "task"), "classify", "spec.model.task"),
         (("spec", "model", "engine"), "tensorrt", "spec.model.engine"),
         (("spec", "model", "engine"), "vllm", "spec.model.engine"),
+        (("spec", "model", "enforceEager"), "maybe", "spec.model.enforceEager"),
+        (
+            ("spec", "model"),
+            {"task": "generate", "path": "/m", "engine": "transformers", "enforceEager": True},
+            "spec.model.enforceEager",
+        ),
         (("spec", "worker", "imagePull"), "x", "spec.worker.imagePull"),
         (("spec", "health", "restartPolicy"), "Node", "spec.health.restartPolicy"),
         (("spec", "worker", "env"), [{"name": "IWG_RANK", "value": "3"}], "spec.worker.env"),
@@ -129,6 +135,31 @@ def test_engine_defaults_to_auto_and_vllm_is_for_generation_only() -> None:
             "spec.model",
             "spec.model.engine vllm needs spec.model.task generate (an embed group runs no generation engine; "
             "leave spec.model.engine at auto)",
+        )
+    ]
+
+
+def test_enforce_eager_defaults_to_false_and_is_refused_with_the_transformers_engine() -> None:
+    assert load_manifest(minimal()).spec.model.enforce_eager is False
+    for engine in ("auto", "vllm"):
+        model = parse_spec(
+            {"model": {"task": "generate", "path": "/m", "engine": engine, "enforceEager": True}}
+        )
+        assert model.model.enforce_eager is True
+    # An embed group runs no generation engine: the option is accepted there and does nothing.
+    assert parse_spec({"model": {"task": "embed", "path": "/m", "enforceEager": True}}).model.enforce_eager
+    assert not parse_spec(
+        {"model": {"task": "generate", "path": "/m", "engine": "transformers", "enforceEager": False}}
+    ).model.enforce_eager
+    with pytest.raises(ManifestError) as info:
+        parse_spec(
+            {"model": {"task": "generate", "path": "/m", "engine": "transformers", "enforceEager": True}}
+        )
+    assert info.value.errors == [
+        (
+            "spec.model",
+            "spec.model.enforceEager applies to vLLM's engine only and spec.model.engine transformers would "
+            "ignore it (leave spec.model.enforceEager false, or set spec.model.engine to auto or vllm)",
         )
     ]
 

@@ -415,3 +415,25 @@ def test_the_engine_choice_reaches_the_workers_and_rolls_them_but_not_the_driver
     driver = builders.driver_deployment(generate(engine="vllm"))["spec"]["template"]
     assert driver == builders.driver_deployment(generate())["spec"]["template"]
     assert wiring.ENGINE not in env_of(driver["spec"]["containers"][0])
+
+
+def test_enforce_eager_reaches_the_workers_only_when_set_and_rolls_them_but_not_the_driver() -> None:
+    def generate(**model: Any) -> builders.Group:
+        return group(model={"task": "generate", "path": "/models/lm", **model})
+
+    def worker_env_of(g: builders.Group) -> dict[str, Any]:
+        return env_of(builders.worker_pod(g, 0, 0, SETTINGS)["spec"]["containers"][0])
+
+    assert worker_env_of(generate(enforceEager=True))[wiring.ENFORCE_EAGER] == "1"
+    assert worker_env_of(generate(engine="vllm", enforceEager=True))[wiring.ENFORCE_EAGER] == "1"
+    # Unset (or false) leaves the variable out, as iwg serve's workers see it: vLLM compiles.
+    assert wiring.ENFORCE_EAGER not in worker_env_of(generate())
+    assert wiring.ENFORCE_EAGER not in worker_env_of(generate(enforceEager=False))
+    eager = generate(enforceEager=True)
+    assert builders.revision(eager, SETTINGS) != builders.revision(generate(), SETTINGS)
+    assert builders.revision(generate(enforceEager=False), SETTINGS) == builders.revision(
+        generate(), SETTINGS
+    )
+    driver = builders.driver_deployment(eager)["spec"]["template"]
+    assert driver == builders.driver_deployment(generate())["spec"]["template"]
+    assert wiring.ENFORCE_EAGER not in env_of(driver["spec"]["containers"][0])

@@ -60,6 +60,14 @@ def test_the_engine_is_a_column_and_vllm_is_refused_for_embed_by_the_api_server(
     assert "spec.model.engine" in rule["message"] and "'vllm'" in rule["rule"]
 
 
+def test_enforce_eager_defaults_to_false_and_is_refused_with_transformers_by_the_api_server() -> None:
+    model = crdgen.openapi_schema()["properties"]["spec"]["properties"]["model"]
+    eager = model["properties"]["enforceEager"]
+    assert eager["type"] == "boolean" and eager["default"] is False
+    rule = next(r for r in model["x-kubernetes-validations"] if r.get("fieldPath") == ".enforceEager")
+    assert "spec.model.enforceEager" in rule["message"] and "'transformers'" in rule["rule"]
+
+
 def test_check_mode_detects_drift(tmp_path: Path) -> None:
     assert crdgen.main(["--root", str(tmp_path)]) == 0
     assert crdgen.main(["--root", str(tmp_path), "--check"]) == 0

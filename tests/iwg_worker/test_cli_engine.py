@@ -1,11 +1,16 @@
 """`iwg serve`'s start line names the generation engine each replica resolved (no worker processes here: a fake
-executor answers the health calls)."""
+executor answers the health calls), and the model's engine options reach its workers' config."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from iwg_operator.api import wiring
+from iwg_operator.api.v1alpha1 import load_manifest
+from iwg_worker import cli
 from iwg_worker.cli import _engine_words
+from iwg_worker.executor import multiproc
 from iwg_worker.executor.base import RPCTimeoutError
 
 
@@ -37,3 +42,30 @@ def test_a_replica_that_does_not_say_leaves_the_requested_choice() -> None:
     assert _engine_words(HealthOnly(None), 1, "vllm") == "engine vllm requested"
     silent = RPCTimeoutError("check_health", [(0, 0)], 10.0)
     assert _engine_words(HealthOnly(silent), 1, "auto") == "engine auto requested"
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_enforce_eager_reaches_the_workers_config_and_env(
+    monkeypatch: pytest.MonkeyPatch, eager: bool
+) -> None:
+    started: list[Any] = []
+
+    class Recorder:
+        def __init__(self, config: Any, **_: Any) -> None:
+            started.append(config)
+
+    monkeypatch.setattr(multiproc, "MultiprocExecutor", Recorder)
+    group = load_manifest(
+        {
+            "apiVersion": "inference.iwg.dev/v1alpha1",
+            "kind": "InferenceWorkerGroup",
+            "metadata": {"name": "g"},
+            "spec": {"model": {"task": "generate", "path": "/m", "engine": "vllm", "enforceEager": eager}},
+        }
+    )
+    args = cli._parser().parse_args(["serve", "g.yaml"])
+    cli._start_workers(group, "/m", 1, args)
+    (config,) = started
+    assert config.enforce_eager is eager
+    env = multiproc.worker_env(config, rpc_endpoint="ipc://a", response_endpoint="ipc://b")
+    assert env.get(wiring.ENFORCE_EAGER) == ("1" if eager else None)

@@ -201,6 +201,7 @@ def _start_workers(
         device=spec.worker.device,
         dtype=spec.model.dtype,
         engine=spec.model.engine,
+        enforce_eager=spec.model.enforce_eager,
         group=group.name,
         kv_cache_blocks=spec.model.kv_cache.blocks if spec.model.kv_cache else None,
         kv_cache_memory_fraction=spec.model.kv_cache.memory_fraction if spec.model.kv_cache else None,
@@ -211,7 +212,9 @@ def _start_workers(
         world,
         group.name,
         spec.model.task,
-        f", engine {spec.model.engine}" if spec.model.task == "generate" else "",
+        f", engine {spec.model.engine}{', eager' if spec.model.enforce_eager else ''}"
+        if spec.model.task == "generate"
+        else "",
         model_path,
     )
     if args.executor == "ray":

@@ -324,6 +324,15 @@ class ModelSpec(ApiModel):
             "the engine the workers chose. Task `embed` runs no generation engine: `vllm` is refused there."
         ),
     )
+    enforce_eager: bool = Field(
+        default=False,
+        description=(
+            "vLLM engine only: run the model eagerly instead of compiling it with torch.compile. Compiling is "
+            "vLLM's default; on a 2-core CPU it took about 110 s more to start SmolLM2-135M and gave about 9% "
+            "more tokens/s at 32 streams; eager suits groups that must start fast (tests, scale from zero, "
+            "frequent rollouts), compiled suits long-running groups. Ignored by the transformers engine."
+        ),
+    )
 
     cross_field_rules = (
         CrossFieldRule(
@@ -364,6 +373,18 @@ class ModelSpec(ApiModel):
             ),
             check=lambda m: m.task == "generate" or m.engine != "vllm",
             field_path=".engine",
+        ),
+        CrossFieldRule(
+            cel=(
+                "!has(self.enforceEager) || !self.enforceEager || !has(self.engine) || "
+                "self.engine != 'transformers'"
+            ),
+            message=(
+                "spec.model.enforceEager applies to vLLM's engine only and spec.model.engine transformers would "
+                "ignore it (leave spec.model.enforceEager false, or set spec.model.engine to auto or vllm)"
+            ),
+            check=lambda m: not m.enforce_eager or m.engine != "transformers",
+            field_path=".enforceEager",
         ),
     )
 

@@ -82,6 +82,9 @@ def worker_env(group: Group, replica: int, rank: int, settings: BuildSettings) -
         {"name": wiring.ENGINE, "value": spec.model.engine},
         {"name": wiring.DEVICE, "value": spec.worker.device},
     ]
+    if spec.model.enforce_eager:
+        # Workers only, like IWG_ENGINE; written only when true, as `iwg serve`'s workers get it.
+        env.append({"name": wiring.ENFORCE_EAGER, "value": "1"})
     if spec.worker.worker_cls:
         env.append({"name": wiring.WORKER_CLS, "value": spec.worker.worker_cls})
     if spec.worker.worker_extension_cls:
