@@ -123,7 +123,9 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_generate_worker_streams_greedy_tokens_equal_to_transformers(tiny_gpt2: Path) -> None:
     from transformers import GPT2LMHeadModel
 
-    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu"))
+    executor = UniProcExecutor(
+        WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu", engine="transformers")
+    )
     oracle = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval()
     try:
         for n, prompt in enumerate([[5, 17, 42], [1, 2]]):

@@ -209,6 +209,7 @@ def wire_group(
                 group=name,
                 replica=replica,
                 kv_cache_blocks=64,
+                engine="transformers",
             )
         else:
             config = WorkerConfig(

@@ -60,7 +60,9 @@ def greedy(path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture
 async def client(tiny_lm: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu"))
+    executor = UniProcExecutor(
+        WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu", engine="transformers")
+    )
     driver = Driver(DriverConfig(served_name="tiny", task="generate", max_wait_ms=20), ExecutorPool(executor))
     driver.start()
     async with TestClient(TestServer(build_app(driver))) as test_client:
@@ -281,7 +283,9 @@ async def test_a_reader_that_stops_reading_holds_only_its_own_response(tiny_lm: 
 
     from aiohttp import ClientSession, web
 
-    executor = UniProcExecutor(WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu"))
+    executor = UniProcExecutor(
+        WorkerConfig(task="generate", model_path=str(tiny_lm), device="cpu", engine="transformers")
+    )
     driver = Driver(DriverConfig(served_name="tiny", task="generate", max_wait_ms=5), ExecutorPool(executor))
     driver.start()
     listener = socket.socket()

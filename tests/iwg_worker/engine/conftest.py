@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 import torch
 from iwg_worker.engine.engine import EngineConfig, GenerationEngine
+from iwg_worker.engine.vllm_engine import VllmEngine
 from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
 from tests.models import smollm2_dir
+
+Engine = GenerationEngine | VllmEngine
 
 
 class Collector:
@@ -82,11 +85,46 @@ def make_engine(path: Path, **config: Any) -> tuple[GenerationEngine, Collector]
     return engine, collector
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2: Path) -> Iterator[tuple[GenerationEngine, Collector]]:
-    eng, collector = make_engine(smollm2, num_blocks=256, max_batch_tokens=1024)
+def make_vllm_engine(path: Path) -> tuple[VllmEngine, Collector]:
+    """vLLM's engine in this process, eager (no compile warm-up), float32 like the transformers engine here."""
+    from iwg_worker.engine.choice import cpu_budget
+    from iwg_worker.engine.vllm_engine import VllmEngine, VllmOptions, prepare_environment
+
+    prepare_environment("cpu", cpu_budget())
+    options = VllmOptions(
+        dtype="float32", device_type="cpu", enforce_eager=True, available_memory=4 * 1024**3
+    )
+    engine = VllmEngine(str(path), load_tokenizer(model_source(path)), EngineConfig(), options)
+    collector = Collector()
+    engine.set_sink(collector)
+    return engine, collector
+
+
+def release_vllm() -> None:
+    """What vLLM's in-process engine leaves in this process: its process group, and torch.set_num_threads,
+    which its CPU worker replaces with a no-op."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    torch.set_num_threads = _SET_NUM_THREADS
+
+
+_SET_NUM_THREADS = torch.set_num_threads
+
+
+@pytest.fixture(scope="module", params=["transformers", "vllm"])
+def engine(request: pytest.FixtureRequest, smollm2: Path) -> Iterator[tuple[Engine, Collector]]:
+    """Each generation engine in turn, on the same weights: every test of the module runs on both."""
+    eng: Engine
+    if request.param == "vllm":
+        eng, collector = make_vllm_engine(smollm2)
+    else:
+        eng, collector = make_engine(smollm2, num_blocks=256, max_batch_tokens=1024)
     yield eng, collector
     eng.shutdown()
+    if request.param == "vllm":
+        release_vllm()
 
 
 def chat_ids(tokenizer: Any, question: str) -> list[int]:

@@ -1,6 +1,7 @@
-"""The generation engine on SmolLM2-135M-Instruct (real weights), checked against transformers' own
-`generate` on the same weights: concurrent greedy decoding, seeded sampling, stop rules, logprobs, requests
-refused alone, a full KV cache, cancellation."""
+"""Both generation engines (transformers' continuous batching and vLLM's, each test run on each) on
+SmolLM2-135M-Instruct (real weights), checked against transformers' own `generate` on the same weights:
+concurrent greedy decoding, seeded sampling, stop rules, logprobs, requests refused alone, a full KV cache,
+cancellation. vLLM's own `LLM.generate` is the oracle of tests/iwg_worker/driver/test_vllm_serve.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from iwg_worker.engine.engine import GenerationEngine
 
-from tests.iwg_worker.engine.conftest import Collector, chat_ids, make_engine
+from tests.iwg_worker.engine.conftest import Collector, Engine, chat_ids, make_engine
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -49,12 +49,12 @@ def greedy_reference(reference: tuple[Any, Any], prompt: list[int], max_tokens: 
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-def add(engine: GenerationEngine, *requests: dict[str, Any]) -> list[dict[str, Any]]:
+def add(engine: Engine, *requests: dict[str, Any]) -> list[dict[str, Any]]:
     return engine.add(list(requests))
 
 
 def test_greedy_tokens_of_16_concurrent_prompts_equal_transformers_generate(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     prompts = [chat_ids(reference[1], q) for q in QUESTIONS]
@@ -82,7 +82,7 @@ def test_greedy_tokens_of_16_concurrent_prompts_equal_transformers_generate(
 
 
 def test_the_france_question_is_answered_paris(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     prompt = chat_ids(reference[1], "What is the capital of France?")
@@ -93,7 +93,7 @@ def test_the_france_question_is_answered_paris(
 
 
 def test_seeded_sampling_is_reproducible_whatever_it_is_batched_with(
-    engine: tuple[GenerationEngine, Collector],
+    engine: tuple[Engine, Collector],
 ) -> None:
     eng, collector = engine
     sampled = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50}
@@ -116,7 +116,7 @@ def test_seeded_sampling_is_reproducible_whatever_it_is_batched_with(
 
 
 def test_a_stop_string_ends_generation_where_it_appears(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     prompt = chat_ids(reference[1], "What is the capital of France?")
@@ -128,9 +128,7 @@ def test_a_stop_string_ends_generation_where_it_appears(
     assert reference[1].decode(collector.tokens("stop")) == "The capital of"
 
 
-def test_logprobs_are_the_models_own(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
-) -> None:
+def test_logprobs_are_the_models_own(engine: tuple[Engine, Collector], reference: tuple[Any, Any]) -> None:
     eng, collector = engine
     model, tokenizer = reference
     prompt = chat_ids(tokenizer, "Say hello.")
@@ -163,7 +161,7 @@ def test_logprobs_are_the_models_own(
 
 
 def test_bad_requests_are_refused_alone_before_they_reach_a_batch(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     context = eng.limits.context_length
@@ -222,7 +220,7 @@ def test_a_full_kv_cache_makes_requests_wait_and_all_complete_correctly(
         eng.shutdown()
 
 
-def test_cancelling_frees_the_cache_at_the_next_step(engine: tuple[GenerationEngine, Collector]) -> None:
+def test_cancelling_frees_the_cache_at_the_next_step(engine: tuple[Engine, Collector]) -> None:
     eng, collector = engine
     ids = [f"cancel-{i}" for i in range(4)]
     add(
@@ -253,7 +251,7 @@ def test_cancelling_frees_the_cache_at_the_next_step(engine: tuple[GenerationEng
 
 
 def test_a_stop_token_id_ends_generation_with_stop(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     prompt = chat_ids(reference[1], "What is the capital of France?")
@@ -288,7 +286,7 @@ def test_a_gguf_file_is_a_model_source(smollm2: Path) -> None:
 
 
 def test_chat_messages_are_rendered_with_the_models_own_template(
-    engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     eng, collector = engine
     messages = [{"role": "user", "content": "What is the capital of France?"}]

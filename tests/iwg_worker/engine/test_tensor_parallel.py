@@ -41,6 +41,7 @@ def sharded(smollm2: Path) -> Iterator[MultiprocExecutor]:
             model_path=str(smollm2),
             device="cpu",
             dtype="float32",
+            engine="transformers",  # its own tensor parallelism (vLLM's: test_vllm_engine)
             group="tp3",
             kv_cache_blocks=64,
         ),
