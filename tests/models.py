@@ -52,6 +52,8 @@ def smollm2_manifest(kv_blocks: int | None = None, engine: str = "transformers")
     manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
     manifest["spec"]["model"]["path"] = str(smollm2_dir())
     manifest["spec"]["model"]["engine"] = engine
+    if engine == "vllm":
+        manifest["spec"]["model"]["enforceEager"] = True
     if kv_blocks is not None:
         manifest["spec"]["model"]["kvCache"] = {"blocks": kv_blocks}
     return manifest

@@ -70,6 +70,7 @@ class Served:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    engine: str | None = None  # generation groups: the engine the group was started with
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +112,19 @@ def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def start_smollm2(
-    tmp: Path, env: dict[str, str], kv_blocks: int | None = None, world_size: int = 1
+    tmp: Path,
+    env: dict[str, str],
+    kv_blocks: int | None = None,
+    world_size: int = 1,
+    engine: str = "transformers",
 ) -> Served:
-    """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory;
-    returns once it is ready. The caller stops it (`stop(served.process)`)."""
+    """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory,
+    on the engine named; returns once it is ready. The caller stops it (`stop(served.process)`)."""
     import yaml
 
     from tests.models import smollm2_manifest
 
-    manifest = smollm2_manifest(kv_blocks)
+    manifest = smollm2_manifest(kv_blocks, engine)
     manifest["spec"]["worldSize"] = world_size
     (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
     port = free_port()
@@ -135,7 +140,7 @@ def start_smollm2(
         )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/readyz", proc, STARTUP_TIMEOUT_S, log)
-    return Served(url, proc, log)
+    return Served(url, proc, log, engine)
 
 
 @dataclass

@@ -1,6 +1,8 @@
-"""Streaming generation through `iwg serve` (driver + a worker process + ZMQ + SmolLM2's real weights):
-64 concurrent streams, first tokens long before the last stream ends, and streams dropped by their clients
-cancelled on the worker with their KV cache freed."""
+"""Streaming generation through `iwg serve` (driver + a worker process + ZMQ + SmolLM2's real weights), on each
+generation engine in turn (transformers' and vLLM's: every test of the module runs on both, one group each):
+greedy answers of 16 batched prompts equal the engine library's own generate, 64 concurrent streams, first
+tokens long before the last stream ends, streams dropped by their clients cancelled on the worker with their
+KV cache freed, the official client, hostile requests."""
 
 from __future__ import annotations
 
@@ -23,9 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def served_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = start_smollm2(tmp_path_factory.mktemp("serve-lm"), {**subprocess_env(), "OMP_NUM_THREADS": "2"})
+@pytest.fixture(scope="module", params=["transformers", "vllm"])
+def served_smollm2(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    served = start_smollm2(
+        tmp_path_factory.mktemp(f"serve-lm-{request.param}"),
+        {**subprocess_env(), "OMP_NUM_THREADS": "2"},
+        engine=request.param,
+    )
     try:
         yield served
     finally:
@@ -69,6 +77,54 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
         text = await resp.text()
     values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values)
+
+
+ORACLE_QUESTIONS = [
+    "What is the capital of France?",
+    "Name a colour.",
+    "Write one sentence about the sea and the ships that sail on it, and the people who wait for them.",
+    "What is 2 + 2?",
+    "Give me three fruits.",
+    "Why is the sky blue? Answer briefly, as if to a child who keeps asking why.",
+    "Say hello.",
+    "What do cats eat?",
+    "List the days of the week in order, starting with Monday, separated by commas.",
+    "Translate 'good morning' to French.",
+    "Who wrote Hamlet?",
+    "Describe a tree in a few words.",
+    "What is the boiling point of water at sea level in degrees Celsius, and why does it change on a mountain?",
+    "Count from one to five.",
+    "Is the moon a planet?",
+    "What is a prime number? Give an example and explain in one line why it is prime.",
+]
+
+
+async def test_greedy_answers_of_16_batched_prompts_equal_the_engine_librarys_own_generate(
+    served_smollm2: Served,
+) -> None:
+    """The oracle: vLLM's own `LLM.generate` (in a process of its own) for the vLLM group, transformers'
+    `generate` for the transformers group, on the same weights, dtype and token ids."""
+    from iwg_worker.engine.engine import render_chat
+    from iwg_worker.models.loading import load_tokenizer, model_source
+
+    from tests.iwg_worker.driver.oracle import library_greedy
+    from tests.models import smollm2_dir
+
+    tokenizer = load_tokenizer(model_source(smollm2_dir()))
+    prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in ORACLE_QUESTIONS]
+    assert len({len(p) for p in prompts}) > 8  # prompts of different lengths
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=500)) as session,
+        session.post(f"{served_smollm2.url}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+    expected = library_greedy(served_smollm2.engine or "transformers", smollm2_dir(), prompts, 12)
+    for choice, want in zip(answer["choices"], expected, strict=True):
+        # The same text from as many tokens (each named by its text, an end-of-sequence token spelt out).
+        assert choice["text"] == tokenizer.decode(want, skip_special_tokens=True), choice["index"]
+        assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in want], choice["index"]
 
 
 async def test_64_concurrent_streams_complete_and_first_tokens_come_before_the_longest_ends(
