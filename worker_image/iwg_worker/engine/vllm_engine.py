@@ -118,13 +118,22 @@ class VllmEngine:
             seed=0,
             enforce_eager=options.enforce_eager,
             enable_prefix_caching=True,
-            num_gpu_blocks_override=config.num_blocks,
+            # vLLM keeps one block aside (its null block): one more, so that the given number can be used.
+            num_gpu_blocks_override=config.num_blocks + 1 if config.num_blocks else None,
             disable_log_stats=True,
             **_cache_size(config, options),
             **_parallel(options),
         )
         if config.max_batch_tokens:
             args.max_num_batched_tokens = config.max_batch_tokens
+        if config.num_blocks:
+            # A cache given in blocks: blocks of the transformers engine's size, so that kvCache.blocks holds
+            # as many tokens on either engine; a context longer than the cache could never be scheduled, so
+            # vLLM would refuse to start: the context is bounded by the cache instead.
+            args.block_size = config.page_size
+            context = _model_context(Path(model_path))
+            if context and config.num_blocks * config.page_size < context:
+                args.max_model_len = config.num_blocks * config.page_size
         self.llm: Any = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         model_config = self.llm.model_config
         self.limits = ModelLimits(
@@ -365,7 +374,7 @@ class VllmEngine:
     def stats(self) -> dict[str, Any]:
         scheduler = self._scheduler
         manager = scheduler.kv_cache_manager
-        total = int(manager.block_pool.num_gpu_blocks) - 1  # vLLM keeps one block aside (its null block)
+        total = int(manager.block_pool.num_gpu_blocks) - 1  # less vLLM's null block
         usage = float(manager.usage)
         with self._lock:
             pending = self._pending_adds
@@ -447,6 +456,12 @@ def _sampling(message: dict[str, Any]) -> Any:
         detokenize=False,  # RequestStream turns tokens into text and finds stop strings
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _model_context(path: Path) -> int | None:
+    from iwg_worker.model_dir import context_length
+
+    return context_length(path)
 
 
 def _eos_ids(path: Path, tokenizer: Any) -> set[int]:
