@@ -263,6 +263,8 @@ class TorchWorker(WorkerBase):
 
     def _parameter_bytes(self) -> int | None:
         """Bytes of the weights this rank holds (1/worldSize of the model when sharded)."""
+        if isinstance(self.model, _engine_type()):
+            return self.model.parameter_bytes()
         from iwg_worker.models.sharding import local_parameter_bytes
 
         module = getattr(self.model, "model", None)

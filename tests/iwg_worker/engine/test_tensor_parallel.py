@@ -1,6 +1,7 @@
 """A replica of worldSize 3 holds SmolLM2 sharded three ways (tensor parallel over gloo, real weights, three
 worker processes) and answers as one rank would: greedy tokens equal worldSize 1's, log-probabilities within a
-stated tolerance, and each rank holds about a third of the weights."""
+stated tolerance, and each rank holds about a third of the weights. On each engine: transformers' tensor
+parallelism, and vLLM's (`external_launcher`: every rank runs the engine, rank 0 sends each step's commands)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ from typing import Any
 
 import pytest
 from iwg_operator.api import wiring
-from iwg_worker.engine.engine import GenerationEngine
+from iwg_worker.engine.vllm_engine import VllmEngine
 from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
 from iwg_worker.executor.streams import StreamFailed
-from iwg_worker.models.sharding import local_parameter_bytes
 from iwg_worker.worker_base import WorkerConfig
 
-from tests.iwg_worker.engine.conftest import Collector, chat_ids
+from tests.iwg_worker.engine.conftest import Collector, Engine, chat_ids
 from tests.iwg_worker.engine.test_engine import QUESTIONS
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -34,14 +34,16 @@ HEARTBEAT_TIMEOUT_S = wiring.DEFAULT_HEARTBEAT_INTERVAL_S * wiring.DEFAULT_HEART
 
 
 @pytest.fixture(scope="module")
-def sharded(smollm2: Path) -> Iterator[MultiprocExecutor]:
+def sharded(smollm2: Path, engine: tuple[Engine, Collector]) -> Iterator[MultiprocExecutor]:
+    """Three ranks on the engine of the worldSize-1 `engine` they are compared with."""
     executor = MultiprocExecutor(
         WorkerConfig(
             task="generate",
             model_path=str(smollm2),
             device="cpu",
             dtype="float32",
-            engine="transformers",  # its own tensor parallelism (vLLM's: test_vllm_engine)
+            engine="vllm" if isinstance(engine[0], VllmEngine) else "transformers",
+            enforce_eager=True,
             group="tp3",
             kv_cache_blocks=64,
         ),
@@ -79,7 +81,7 @@ async def run_sharded(executor: MultiprocExecutor, batch: list[dict[str, Any]]) 
 
 
 def test_world_size_3_answers_as_world_size_1(
-    sharded: MultiprocExecutor, engine: tuple[GenerationEngine, Collector], reference: tuple[Any, Any]
+    sharded: MultiprocExecutor, engine: tuple[Engine, Collector], reference: tuple[Any, Any]
 ) -> None:
     batch = requests(reference[1])
     assert len(batch) == 16
@@ -111,9 +113,9 @@ def test_world_size_3_answers_as_world_size_1(
 
 
 def test_each_rank_holds_about_a_third_of_the_weights(
-    sharded: MultiprocExecutor, engine: tuple[GenerationEngine, Collector]
+    sharded: MultiprocExecutor, engine: tuple[Engine, Collector]
 ) -> None:
-    whole = local_parameter_bytes(engine[0].model)
+    whole = engine[0].parameter_bytes()
     ranks = [d["parameter_bytes"] for d in sharded.collective_rpc("describe", timeout=60)]
     print(f"parameter bytes: whole model {whole / 1e6:.0f} MB, ranks {[f'{b / 1e6:.0f} MB' for b in ranks]}")
     assert len(ranks) == WORLD

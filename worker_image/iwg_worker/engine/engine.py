@@ -305,6 +305,12 @@ class GenerationEngine:
             "engine_running": self.running,
         }
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights this rank holds (its shards when the replica is sharded)."""
+        from iwg_worker.models.sharding import local_parameter_bytes
+
+        return local_parameter_bytes(self.model)
+
     def shutdown(self) -> None:
         if self.manager.is_running():
             self.manager.stop(block=True, timeout=10, hard_stop=True)

@@ -389,6 +389,12 @@ class VllmEngine:
             "engine_running": self.running,
         }
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights this rank holds (its shards when the replica is sharded)."""
+        from iwg_worker.models.sharding import local_parameter_bytes
+
+        return int(self.llm.apply_model(local_parameter_bytes)[0])
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -417,9 +423,17 @@ def _cache_size(config: EngineConfig, options: VllmOptions) -> dict[str, Any]:
 
 
 def _parallel(options: VllmOptions) -> dict[str, Any]:
+    """A sharded replica: every rank runs the engine (external_launcher) in the process group the worker made;
+    on CPU each rank is told that it shares no /dev/shm with the others (see vllm_cpu_worker)."""
     if options.world_size <= 1:
         return {}
-    return {"tensor_parallel_size": options.world_size, "distributed_executor_backend": "external_launcher"}
+    parallel: dict[str, Any] = {
+        "tensor_parallel_size": options.world_size,
+        "distributed_executor_backend": "external_launcher",
+    }
+    if options.device_type == "cpu":
+        parallel["worker_cls"] = "iwg_worker.engine.vllm_cpu_worker.ReplicaRankCPUWorker"
+    return parallel
 
 
 def _request_message(request: GenerationRequest) -> dict[str, Any]:
