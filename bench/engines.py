@@ -3,7 +3,7 @@
 
     python -m bench.engines [--servers iwg-vllm,vllm-serve,iwg-transformers] [--streams 1,8,32,64]
                             [--output-tokens 128] [--dtype bfloat16] [--device cpu|cuda] [--enforce-eager]
-                            [--kv-blocks N] [--log-dir DIR]
+                            [--kv-blocks N] [--shared-prefixes] [--log-dir DIR]
 
 Workload (the same for the three): SmolLM2-135M-Instruct from its converted directory
 (`tests.models.smollm2_dir`), prompts of 32 to 512 tokens cycled (`bench.generate.make_prompts`) sent as token
@@ -44,7 +44,8 @@ default keeps a core for its front end), iwg's worker its ``OMP_NUM_THREADS`` sh
 cores with one replica), ``VLLM_TARGET_DEVICE=cpu`` for both. ``vllm serve`` on CPU also gets
 ``--kv-cache-memory-bytes`` (iwg's own CPU default: a quarter of available memory, at most 2 GiB) so that its
 CPU worker does not ask for 90 % of the machine's memory; the block count decides the cache's size in both.
-The transformers engine gets its own block count (pages of 64 tokens, the same tokens per stream).
+The transformers engine gets its own block count (pages of 64 tokens; at 128 output tokens 11 a stream, 704
+tokens, against 6 vLLM blocks of 128 on CPU).
 
 ``--device cuda``: the workers get ``spec.worker.device: cuda`` (one GPU), `vllm serve` picks its CUDA
 platform itself; bench/device_check.sh runs this on a GPU machine.
