@@ -29,10 +29,11 @@ every level and stopped (its whole process group), so each has the machine to it
   the installed package is changed;
 - ``iwg-transformers``: `iwg serve` of the same group with ``spec.model.engine: transformers``.
 
-Kept equal between the two vLLM servers: dtype; the KV cache as a block count (``--num-gpu-blocks-override N``
-and ``kvCache: {blocks: N}``, both at vLLM's default block size: 128 tokens on CPU, 16 on CUDA; default N gives
-every stream of the largest level its longest prompt plus outputs plus one block, and at least room for one
-request of the model's max model len, which vLLM requires to start); the model's own max model
+Kept equal between the two vLLM servers: dtype; the KV cache as a block count of 64-token blocks
+(``kvCache: {blocks: N}``, which iwg's vLLM engine takes as N usable blocks of 64 tokens, and ``--block-size 64
+--num-gpu-blocks-override N+1`` for `vllm serve`, the one more being vLLM's null block as iwg adds it; default N
+gives every stream of the largest level its longest prompt plus outputs plus one block, and at least room for
+one request of the model's max model len, which vLLM requires to start); the model's own max model
 len (neither is given one); prefix caching on; compiled (vLLM's default) unless ``--enforce-eager`` (``vllm
 serve --enforce-eager``; `iwg serve` gets ``IWG_ENFORCE_EAGER=1`` in its environment, which its worker
 processes inherit); seed 0; scheduler limits: iwg's in-process `LLMEngine` gets vLLM's `SchedulerConfig` defaults
@@ -45,7 +46,7 @@ cores with one replica), ``VLLM_TARGET_DEVICE=cpu`` for both. ``vllm serve`` on 
 ``--kv-cache-memory-bytes`` (iwg's own CPU default: a quarter of available memory, at most 2 GiB) so that its
 CPU worker does not ask for 90 % of the machine's memory; the block count decides the cache's size in both.
 The transformers engine gets its own block count (pages of 64 tokens; at 128 output tokens 11 a stream, 704
-tokens, against 6 vLLM blocks of 128 on CPU).
+tokens, the same for vLLM's 64-token blocks).
 
 ``--device cuda``: the workers get ``spec.worker.device: cuda`` (one GPU), `vllm serve` picks its CUDA
 platform itself; bench/device_check.sh runs this on a GPU machine.
@@ -81,8 +82,10 @@ LABELS = {
     "vllm-serve": "vllm serve",
     "iwg-transformers": "iwg serve (engine transformers)",
 }
-VLLM_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's default block size per platform
 TRANSFORMERS_PAGE = 64  # the transformers engine's page size (EngineConfig.page_size)
+# A cache given in blocks (kvCache.blocks) is blocks of the transformers engine's page size on both of iwg's
+# engines, all usable: iwg gives vLLM one more for its null block. `vllm serve` gets the same.
+VLLM_BLOCK_TOKENS = TRANSFORMERS_PAGE
 # vLLM's SchedulerConfig defaults (0.32), which iwg's in-process LLMEngine gets; given to vllm serve too.
 VLLM_MAX_BATCHED_TOKENS = 2048
 VLLM_MAX_SEQS = 128
@@ -215,8 +218,10 @@ def start_vllm_serve(args: argparse.Namespace, tmp: Path, model_dir: Path, block
         args.dtype,
         "--seed",
         "0",
+        "--block-size",
+        str(VLLM_BLOCK_TOKENS),
         "--num-gpu-blocks-override",
-        str(blocks),
+        str(blocks + 1),  # the null block, as iwg adds it
         "--enable-prefix-caching",
         "--max-num-batched-tokens",
         str(VLLM_MAX_BATCHED_TOKENS),
@@ -348,9 +353,7 @@ def main() -> None:
     model_dir = smollm2_dir()
     prompts = level_prompts(load_tokenizer(model_source(model_dir)), levels, args.shared_prefixes)
     top = max(levels)
-    vllm_blocks = args.kv_blocks or vllm_fit(
-        model_dir, VLLM_BLOCK_TOKENS[args.device], top, args.output_tokens
-    )
+    vllm_blocks = args.kv_blocks or vllm_fit(model_dir, VLLM_BLOCK_TOKENS, top, args.output_tokens)
     tf_blocks = max(16, top * blocks_per_stream(TRANSFORMERS_PAGE, args.output_tokens))  # 16: the CRD's least
     print(
         f"# SmolLM2-135M-Instruct {args.dtype} on {args.device} ({len(cores())} cores: {cores()}), "
@@ -362,7 +365,7 @@ def main() -> None:
         f"{'shared prefixes' if args.shared_prefixes else 'no shared prefixes'}"
     )
     print(
-        f"# vLLM servers: {vllm_blocks} KV blocks of {VLLM_BLOCK_TOKENS[args.device]} tokens (default block size), "
+        f"# vLLM servers: {vllm_blocks} usable KV blocks of {VLLM_BLOCK_TOKENS} tokens, "
         f"prefix caching on, {'eager' if args.enforce_eager else 'compiled'}, max_num_batched_tokens "
         f"{VLLM_MAX_BATCHED_TOKENS}, max_num_seqs {VLLM_MAX_SEQS}; transformers engine: {tf_blocks} blocks of "
         f"{TRANSFORMERS_PAGE} tokens\n",
