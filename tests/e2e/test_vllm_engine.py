@@ -1,0 +1,140 @@
+"""A generation group on vLLM's engine (spec.model.engine vllm: SmolLM2, eager, a 16-block KV cache) through the
+operator, in sequence on one group: it serves and reports its engine (status.engine, the ENGINE column),
+streams a right chat answer through the official `openai` client, a SIGKILLed worker is replaced by the
+restart rules and the replacement answers again, and streaming chat load scales it 1 -> 2 on requestsWaiting
+(the engine's queued requests) and back after the window, losing no request."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client import ApiClient
+from openai import OpenAI
+
+from tests.e2e.harness import (
+    ChatLoad,
+    await_replacement,
+    eventually,
+    group_manifest,
+    live_ready_workers,
+    openai_client,
+    signal_worker,
+    wait_serving,
+)
+from tests.e2e.test_autoscaling import (
+    CHAT_TIMEOUT_S,
+    CONTEXT,
+    KV_BLOCKS,
+    ReplicaTimeline,
+    autoscaling,
+    step_up_and_back,
+)
+from tests.e2e.test_selfheal import FAST_HEALTH, PERIOD, create, events
+from tests.iwg_operator.conftest import Groups
+from tests.models import smollm2_manifest
+from tests.nodeagent.fixture import NodeAgentProcess
+
+# Three vLLM starts (the first replica, its replacement, the second replica) on a shared 2-core machine.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+
+# The self-heal test's fast rules, but a probe may take as long as a period: a worker whose engine is busy with
+# ten streams on two cores can answer its health check late, and that must not count as a failure. A SIGKILLed
+# worker refuses the probe at once, so detection still takes about two periods.
+HEALTH = {**FAST_HEALTH, "timeoutSeconds": PERIOD}
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class UnsharedChatLoad(ChatLoad):
+    """ChatLoad whose prompts start with their client and number. vLLM's prefix cache shares the full KV
+    blocks that running prompts have in common: ChatLoad's 200-token prompts share their first 180 tokens (the
+    system prompt and the context), so two of each prompt's four blocks would be shared and a 16-block replica
+    would run seven streams instead of four, and ten streams on two replicas would leave none waiting (the
+    scale-down window would start under load). Prompts that differ within their first block share none."""
+
+    def request(self, api: OpenAI, index: int, n: int) -> None:
+        ChatLoad.request(
+            replace(self, context=f"Client {index}, question {n}. {self.context}"), api, index, n
+        )
+
+
+def stream_france(address: str) -> str:
+    """The France question as a stream; the text it carried, once it ended with a finish reason."""
+    stream = openai_client(address).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish in ("stop", "length"), (finish, text)
+    return text
+
+
+def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "vllm"
+    manifest = group_manifest(
+        name,
+        smollm2_manifest(KV_BLOCKS, engine="vllm"),
+        replicas=1,
+        health=HEALTH,
+        autoscaling=autoscaling("requestsWaiting", 1),
+    )
+    create(control_plane, workspace, manifest)
+    started = time.monotonic()
+
+    # 1. Serving, on vLLM's engine as the worker reports it.
+    address = wait_serving(groups, core, node_agent, name, replicas=1, timeout=START_TIMEOUT_S)
+    print(f"serving {time.monotonic() - started:.1f}s after apply")
+    eventually(
+        lambda: (groups.get(name).get("status") or {}).get("engine") == "vllm", 30, "status.engine vllm"
+    )
+    table = control_plane.kubectl("get", "iwg", "-n", workspace).stdout
+    assert "ENGINE" in table and "vllm" in table, table
+
+    # 2. A streamed chat answer.
+    assert "Paris" in stream_france(address)
+
+    # 3. SIGKILL the worker: the restart rules replace its pod, and the new vLLM engine answers.
+    time.sleep(PERIOD * 2)  # the prober has seen the worker healthy: it supervises it
+    victim = live_ready_workers(core, workspace, name)[0]
+    killed = time.monotonic()
+    signal_worker(victim, signal.SIGKILL)
+    recovery = await_replacement(core, groups, name, [victim], killed, 1, timeout=START_TIMEOUT_S)
+    print(f"SIGKILL: detected after {recovery.detected_s:.2f}s, serving after {recovery.ready_s:.2f}s")
+    answer = eventually(
+        lambda: stream_france(address), 120, "an answer from the replacement", 1.0, (Exception,)
+    )
+    assert "Paris" in answer
+    unhealthy = events(core, workspace, name, "WorkerUnhealthy")
+    assert any(victim.metadata.name in e.message for e in unhealthy), [e.message for e in unhealthy]
+    status = groups.get(name)["status"]
+    assert status.get("restartCount", 0) >= 1 and status.get("engine") == "vllm", status
+
+    # 4. Streaming chat load: 200-token prompts take 4 of the 16 blocks, so one replica runs 4 streams and
+    # queues the rest (requestsWaiting); ten streams scale the group to two (eight run, one waits on each: the
+    # target, so it holds), and back to one once they stop.
+    model = manifest["spec"]["model"]["servedName"]
+    timeline = ReplicaTimeline(groups, name).start()
+    light = ChatLoad(address, model, clients=1, max_tokens=8, timeout=CHAT_TIMEOUT_S).start()
+    heavy = UnsharedChatLoad(
+        address, model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S
+    )
+    messages = step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
+    assert heavy.ok >= 10 and light.ok >= 3
+    assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages
+    assert all("requestsWaiting" in m for m in messages), messages
+    print(f"whole test {time.monotonic() - started:.1f}s after apply")
