@@ -1,7 +1,7 @@
 """The autoscaler on real load: a load step scales the group up to max, and when load falls it scales down
-after the stabilization window, draining the leaving replica first: no flapping, no failed request. Once for
-an embedding group on `inflight`, once for a SmolLM2 generation group on `requestsWaiting` under streaming
-chat load."""
+after the stabilization window, draining the leaving replica first: no flapping, no failed request. Here for
+an embedding group on `inflight`; a SmolLM2 generation group on `requestsWaiting` under streaming chat load in
+tests/e2e/test_vllm_engine.py (the step and the sizes are this module's)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.e2e.harness import ChatLoad, Load, eventually, group_manifest, wait_serving
+from tests.e2e.harness import Load, eventually, group_manifest, wait_serving
 from tests.iwg_operator.conftest import Groups
-from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -135,27 +134,5 @@ CONTEXT = (
 CHAT_TIMEOUT_S = 300.0
 
 
-def test_streaming_chat_load_scales_a_generation_group_on_requests_waiting_and_back(
-    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
-) -> None:
-    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
-    name = "chat"
-    manifest = group_manifest(
-        name, smollm2_manifest(KV_BLOCKS), replicas=1, autoscaling=autoscaling("requestsWaiting", 1)
-    )
-    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(groups, core, node_agent, name, replicas=1)
-    model = manifest["spec"]["model"]["servedName"]
-    timeline = ReplicaTimeline(groups, name).start()
-    light = ChatLoad(address, model, clients=1, max_tokens=8, timeout=CHAT_TIMEOUT_S).start()
-    time.sleep(DOWN_WINDOW_S)
-    assert timeline.current() == 1, "one client streaming at a time leaves nothing waiting: no scale-up"
-
-    # Ten heavy streams: six wait on one replica; on two (eight run at once) two still wait, one per replica,
-    # which is the target, so the group holds at two until the load stops (seven would leave nothing waiting
-    # on two replicas, and the scale-down window would start while the load still ran).
-    heavy = ChatLoad(address, model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S)
-    messages = step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
-    assert heavy.ok >= 10 and light.ok >= 3
-    assert all("requestsWaiting" in m for m in messages), messages
-    assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages
+# The generation group's step (a streaming chat load scaling it 1 -> 2 on requestsWaiting and back) runs on vLLM's
+# engine, the default where it is installed: tests/e2e/test_vllm_engine.py, with the sizes above.

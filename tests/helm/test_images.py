@@ -84,7 +84,7 @@ def test_the_operator_image_installs_no_torch() -> None:
         assert "torch" not in install.split("pip install", 1)[1].split("&&")[0]
 
 
-def test_the_worker_image_installs_the_worker_extra_on_a_torch_base_chosen_by_build_arg() -> None:
+def test_the_worker_image_installs_the_worker_extras_on_a_torch_base_chosen_by_build_arg() -> None:
     instructions = _instructions(DOCKERFILES[1])
     froms = [rest for keyword, rest in instructions if keyword == "FROM"]
     args = {
@@ -94,7 +94,12 @@ def test_the_worker_image_installs_the_worker_extra_on_a_torch_base_chosen_by_bu
     }
     assert froms == ["${TORCH_IMAGE}"]
     assert "cuda" in args["TORCH_IMAGE"], args["TORCH_IMAGE"]
-    assert any(keyword == "RUN" and '".[worker]"' in rest for keyword, rest in instructions)
+    # The extras come from a build argument: `worker` by default, `worker,vllm` for the vLLM variant.
+    assert args["WORKER_EXTRAS"] == '"worker"', args
+    assert any(keyword == "RUN" and '".[${WORKER_EXTRAS}]"' in rest for keyword, rest in instructions)
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"worker", "vllm"} <= set(extras) and any(d.startswith("vllm==") for d in extras["vllm"])
     assert {"iwg-worker", "iwg-driver"} <= set(CONSOLE_SCRIPTS)
 
 
