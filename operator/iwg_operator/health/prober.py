@@ -81,6 +81,7 @@ class GroupProber:
         self.group_restarts: list[float] = []
         self.replica_restarts: dict[int, list[float]] = {}
         self.restart_count = restart_count
+        self.engine: str | None = None  # status.engine as last reported
 
     async def round(
         self, http: aiohttp.ClientSession, pods: Sequence[ObservedPod], spec: HealthSpec, world_size: int
@@ -137,7 +138,10 @@ class GroupProber:
             )
             for member in members:
                 self.pods.pop(member.uid, None)
-        result.engine = group_engine(memory.engine for memory in self.pods.values())
+        engine = group_engine(memory.engine for memory in self.pods.values())
+        if engine is None and self.pods and not any(m.was_healthy for m in self.pods.values()):
+            engine = self.engine  # only replacements that have not answered yet: keep what the group ran
+        self.engine = result.engine = engine
         return result
 
 
