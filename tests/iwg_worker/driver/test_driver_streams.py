@@ -79,26 +79,6 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     return sum(values)
 
 
-ORACLE_QUESTIONS = [
-    "What is the capital of France?",
-    "Name a colour.",
-    "Write one sentence about the sea and the ships that sail on it, and the people who wait for them.",
-    "What is 2 + 2?",
-    "Give me three fruits.",
-    "Why is the sky blue? Answer briefly, as if to a child who keeps asking why.",
-    "Say hello.",
-    "What do cats eat?",
-    "List the days of the week in order, starting with Monday, separated by commas.",
-    "Translate 'good morning' to French.",
-    "Who wrote Hamlet?",
-    "Describe a tree in a few words.",
-    "What is the boiling point of water at sea level in degrees Celsius, and why does it change on a mountain?",
-    "Count from one to five.",
-    "Is the moon a planet?",
-    "What is a prime number? Give an example and explain in one line why it is prime.",
-]
-
-
 async def test_greedy_answers_of_16_batched_prompts_equal_the_engine_librarys_own_generate(
     served_smollm2: Served,
 ) -> None:
@@ -108,10 +88,11 @@ async def test_greedy_answers_of_16_batched_prompts_equal_the_engine_librarys_ow
     from iwg_worker.models.loading import load_tokenizer, model_source
 
     from tests.iwg_worker.driver.oracle import library_greedy
+    from tests.iwg_worker.engine.test_engine import QUESTIONS
     from tests.models import smollm2_dir
 
     tokenizer = load_tokenizer(model_source(smollm2_dir()))
-    prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in ORACLE_QUESTIONS]
+    prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) > 8  # prompts of different lengths
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 12, "temperature": 0, "logprobs": 0}
     async with (
