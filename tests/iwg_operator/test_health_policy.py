@@ -19,6 +19,7 @@ from iwg_operator.health.policy import (
     observe,
     pods_to_replace,
     restart_decision,
+    shown_engine,
 )
 from iwg_operator.planning import ObservedPod
 
@@ -89,6 +90,20 @@ def test_a_pod_remembers_the_engine_of_its_last_healthy_answer() -> None:
 )
 def test_the_group_engine_is_what_its_workers_report(engines: list[str | None], shown: str | None) -> None:
     assert group_engine(engines) == shown
+
+
+def test_the_shown_engine_survives_a_replacement_until_a_worker_answers() -> None:
+    answered = PodHealth(was_healthy=True, engine="vllm")
+    assert shown_engine(None, [answered]) == "vllm"
+    # The killed pod is gone and its successor not yet created, then created and starting: still vLLM.
+    assert shown_engine("vllm", []) == "vllm"
+    assert shown_engine("vllm", [PodHealth()]) == "vllm"
+    # Once a worker answers, what it reports wins (a spec change to the other engine shows when it serves).
+    assert shown_engine("vllm", [PodHealth(), PodHealth(was_healthy=True, engine="transformers")]) == (
+        "transformers"
+    )
+    # A worker that answered without an engine (task embed, an older image) clears it.
+    assert shown_engine("vllm", [PodHealth(was_healthy=True)]) is None
 
 
 def test_failures_count_only_after_a_first_healthy_answer() -> None:

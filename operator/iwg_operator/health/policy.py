@@ -59,6 +59,17 @@ def group_engine(engines: Iterable[str | None]) -> str | None:
     return ",".join(seen) or None
 
 
+def shown_engine(previous: str | None, pods: Iterable[PodHealth]) -> str | None:
+    """status.engine after a round: what the live workers report (group_engine), or, while no live worker has
+    answered a deep check yet (a replacement starting, the moment between a pod's deletion and its successor's
+    creation, a group at zero), the engine shown before: the group still runs it, and clearing it would write
+    the status twice for nothing."""
+    memories = list(pods)
+    if not any(m.was_healthy for m in memories):
+        return previous
+    return group_engine(m.engine for m in memories)
+
+
 @dataclass
 class PodHealth:
     """What the prober remembers of one pod (by uid)."""

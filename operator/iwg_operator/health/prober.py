@@ -23,6 +23,7 @@ from iwg_operator.health.policy import (
     PodHealth,
     ProbeOutcome,
     group_engine,
+    shown_engine,
     judge_health_response,
     observe,
     pods_to_replace,
@@ -138,10 +139,7 @@ class GroupProber:
             )
             for member in members:
                 self.pods.pop(member.uid, None)
-        engine = group_engine(memory.engine for memory in self.pods.values())
-        if engine is None and self.pods and not any(m.was_healthy for m in self.pods.values()):
-            engine = self.engine  # only replacements that have not answered yet: keep what the group ran
-        self.engine = result.engine = engine
+        self.engine = result.engine = shown_engine(self.engine, self.pods.values())
         return result
 
 
