@@ -4,19 +4,28 @@ Read without the official `kubernetes` client: importing it costs the operator a
 generated models), and Kopf imports those models whenever the package is importable (iwg_operator.main keeps
 it out). Supported: in-cluster service accounts; kubeconfig clusters with a CA file or data (or
 insecure-skip-tls-verify) and users with a token, token file, client certificate or an exec plugin.
+
+Tokens expire: a projected service-account token is rotated by the kubelet (and stops being accepted an hour
+or so later), an exec plugin's token lasts what its issuer says. `TokenSource` keeps the operator's own client
+current the way client-go does: the token file is read again every `TOKEN_FILE_REREAD_S`, an exec plugin is
+run again once its credential expires, and both are renewed at once when the API server answers 401.
 """
 
 from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,11 @@ import yaml
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"
+# How old a token read from a file may get before it is read again: client-go's cachingTokenSource re-reads
+# the projected service-account token every minute (the kubelet rotates it at 80% of its life).
+TOKEN_FILE_REREAD_S = 60.0
+# An exec plugin's credential is asked for again this long before its expirationTimestamp.
+EXEC_EXPIRY_MARGIN_S = 30.0
 
 
 class CredentialsError(Exception):
@@ -40,6 +54,9 @@ class Credentials:
     token: str | None  # without the "Bearer " scheme
     cert_file: str | None
     key_file: str | None
+    token_file: str | None = None  # where `token` was read from: read again while running (TokenSource)
+    exec_plugin: Mapping[str, Any] | None = field(default=None, compare=False)  # users[].user.exec
+    expires_at: float | None = None  # wall-clock time the exec plugin's credential expires, if it said
 
     @classmethod
     def from_environment(cls) -> Credentials:
@@ -66,6 +83,7 @@ def from_service_account(
         token=token_file.read_text().strip(),
         cert_file=None,
         key_file=None,
+        token_file=str(token_file),
     )
 
 
@@ -96,13 +114,17 @@ def from_kubeconfig(paths: list[Path]) -> Credentials:
         raise CredentialsError(f"kubeconfig: clusters[{context['cluster']}].cluster.server is missing")
 
     token = user.get("token")
+    token_file = None
     if not token and user.get("tokenFile"):
-        token = _relative(user_dir, user["tokenFile"]).read_text().strip()
+        token_file = str(_relative(user_dir, user["tokenFile"]))
+        token = Path(token_file).read_text().strip()
     cert_file = _file(user_dir, user, "client-certificate")
     key_file = _file(user_dir, user, "client-key")
+    expires_at = None
     if "exec" in user:
         issued = _exec_credential(user["exec"])
         token = issued.get("token") or token
+        expires_at = _expiry(issued)
         if issued.get("clientCertificateData"):
             cert_file = _write_private(issued["clientCertificateData"].encode())
             key_file = _write_private(issued["clientKeyData"].encode())
@@ -113,7 +135,93 @@ def from_kubeconfig(paths: list[Path]) -> Credentials:
         token=token or None,
         cert_file=cert_file,
         key_file=key_file,
+        token_file=token_file,
+        exec_plugin=user.get("exec"),
+        expires_at=expires_at,
     )
+
+
+class TokenSource:
+    """The bearer token of one set of credentials, kept current while the process runs (as client-go does).
+
+    A token read from a file (the projected service-account token, a kubeconfig's tokenFile) is read again
+    once it is `reread_s` old; one from an exec plugin is asked for again `EXEC_EXPIRY_MARGIN_S` before the
+    expirationTimestamp the plugin gave. `renew()` does either at once: the caller saw a 401. A static token
+    (kubeconfig `token`) never changes. Thread-safe: the exec plugin runs in a worker thread.
+    """
+
+    def __init__(
+        self,
+        credentials: Credentials,
+        reread_s: float = TOKEN_FILE_REREAD_S,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._credentials = credentials
+        self._token = credentials.token
+        self._expires_at = credentials.expires_at
+        self._reread_s = reread_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._read_at = clock()
+        self._lock = threading.Lock()
+
+    @property
+    def renewable(self) -> bool:
+        """Whether asking again can give another token (a file or a plugin, not a static token)."""
+        return bool(self._credentials.token_file or self._credentials.exec_plugin)
+
+    @property
+    def current(self) -> str | None:
+        """The token as last read, without looking whether it is due."""
+        return self._token
+
+    def token(self) -> str | None:
+        """The current token; re-read or re-issued first when it is due (may run the exec plugin: call it
+        from a worker thread when `due()`)."""
+        with self._lock:
+            if self.due():
+                self._load()
+            return self._token
+
+    def renew(self, rejected: str | None) -> str | None:
+        """After a 401 with `rejected`: read the file or run the plugin again, unless another request already
+        replaced that token. Returns the token to retry with (unchanged when nothing newer exists)."""
+        with self._lock:
+            if self.renewable and self._token == rejected:
+                self._load()
+            return self._token
+
+    def due(self) -> bool:
+        """Whether the token should be read or issued again before the next request."""
+        if self._credentials.exec_plugin is not None:
+            expires = self._expires_at
+            return expires is not None and self._wall_clock() >= expires - EXEC_EXPIRY_MARGIN_S
+        if self._credentials.token_file is not None:
+            return self._clock() - self._read_at >= self._reread_s
+        return False
+
+    def _load(self) -> None:
+        self._read_at = self._clock()
+        if self._credentials.exec_plugin is not None:
+            issued = _exec_credential(self._credentials.exec_plugin)
+            self._token = issued.get("token") or self._token
+            self._expires_at = _expiry(issued)
+        elif self._credentials.token_file is not None:
+            # Unreadable mid-rotation (the kubelet swaps a symlink): keep the last token, read again next time.
+            with contextlib.suppress(OSError):
+                self._token = Path(self._credentials.token_file).read_text().strip() or self._token
+
+
+def _expiry(status: Mapping[str, Any]) -> float | None:
+    """An ExecCredential status's expirationTimestamp (RFC 3339) as a wall-clock time."""
+    stamp = status.get("expirationTimestamp")
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _named(

@@ -23,7 +23,7 @@ import aiohttp
 
 from iwg_operator import metrics
 from iwg_operator.api import v1alpha1 as api
-from iwg_operator.credentials import Credentials
+from iwg_operator.credentials import Credentials, TokenSource
 
 FIELD_MANAGER = "iwg-operator"
 # Requests in flight to the API server at once, all groups together (the rest wait in priority order). At 250
@@ -196,7 +196,7 @@ class RequestCounter:
 class Connection:
     server: str
     ssl_context: ssl.SSLContext | bool
-    token: str | None  # the Authorization header's value
+    tokens: TokenSource | None = None  # the bearer token, kept current (re-read, re-issued on expiry or 401)
 
     @classmethod
     def from_credentials(cls, credentials: Credentials) -> Connection:
@@ -206,8 +206,12 @@ class Connection:
             context.verify_mode = ssl.CERT_NONE
         if credentials.cert_file:
             context.load_cert_chain(credentials.cert_file, credentials.key_file)
-        token = f"Bearer {credentials.token}" if credentials.token else None
-        return cls(server=credentials.server, ssl_context=context, token=token)
+        tokens = TokenSource(credentials)
+        return cls(
+            server=credentials.server,
+            ssl_context=context,
+            tokens=tokens if tokens.current or tokens.renewable else None,
+        )
 
     @classmethod
     def from_environment(cls) -> Connection:
@@ -236,8 +240,6 @@ class KubeApi:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Accept": "application/json", "User-Agent": "iwg-operator"}
-            if self.connection.token:
-                headers["Authorization"] = self.connection.token
             self._session = aiohttp.ClientSession(
                 base_url=self.connection.server,
                 headers=headers,
@@ -264,16 +266,49 @@ class KubeApi:
         async with self.scheduler.slot(PRIORITIES.get(resource, Priority.SUPPORT)):
             # Serialized only when its turn comes: hundreds of waiting requests hold no second copy.
             data = json.dumps(body) if body is not None else None
-            headers = {"Content-Type": content_type} if data is not None else None
+            headers = {"Content-Type": content_type} if data is not None else {}
+            code, text = await self._send(verb, resource.plural, method, path, data, headers, params)
+            if code >= 400:
+                raise api_error(code, text)
+            result: dict[str, Any] = json.loads(text) if text else {}
+            return result
+
+    async def _send(
+        self,
+        verb: str,
+        counted_as: str,
+        method: str,
+        path: str,
+        data: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> tuple[int, str]:
+        """One request with the current token; a 401 renews the token (the file read again, the exec plugin
+        run again) and, when that gave another token, the request is sent once more with it."""
+        tokens = self.connection.tokens
+        token = await self._token()
+        for attempt in range(2):
+            sent = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
             async with self._client().request(
-                method, path, data=data, headers=headers, params=params
+                method, path, data=data, headers=sent, params=params
             ) as response:
-                self.requests.add(verb, resource.plural, response.status)
+                self.requests.add(verb, counted_as, response.status)
                 text = await response.text()
-                if response.status >= 400:
-                    raise api_error(response.status, text)
-                result: dict[str, Any] = json.loads(text) if text else {}
-                return result
+            if response.status != 401 or attempt or tokens is None or not tokens.renewable:
+                break
+            renewed = await asyncio.to_thread(tokens.renew, token)
+            if renewed == token:
+                break
+            token = renewed
+        return response.status, text
+
+    async def _token(self) -> str | None:
+        tokens = self.connection.tokens
+        if tokens is None:
+            return None
+        if tokens.due():  # reading the file or running the exec plugin: off the event loop
+            return await asyncio.to_thread(tokens.token)
+        return tokens.current
 
     async def served(self, resource: Resource) -> bool:
         """Whether the API server serves the resource; discovery of its group version is asked once and
@@ -292,15 +327,13 @@ class KubeApi:
 
     async def _discover(self, resource: Resource) -> frozenset[str]:
         path = f"/apis/{resource.api_version}" if resource.group else f"/api/{resource.version}"
-        async with self._client().get(path) as response:
-            self.requests.add("discover", resource.api_version, response.status)
-            text = await response.text()
-            if response.status == 404:
-                return frozenset()
-            if response.status >= 400:
-                raise api_error(response.status, text)
-            found = json.loads(text).get("resources") or []
-            return frozenset(str(r.get("name")) for r in found if isinstance(r, dict))
+        code, text = await self._send("discover", resource.api_version, "GET", path)
+        if code == 404:
+            return frozenset()
+        if code >= 400:
+            raise api_error(code, text)
+        found = json.loads(text).get("resources") or []
+        return frozenset(str(r.get("name")) for r in found if isinstance(r, dict))
 
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import UTC, datetime
 
 import kopf
 
@@ -51,8 +52,12 @@ def build_controller() -> Controller:
 
 
 def login() -> kopf.ConnectionInfo:
-    """Kopf's credentials: the same source as the operator's own client (in-cluster or KUBECONFIG)."""
+    """Kopf's credentials: the same source as the operator's own client (in-cluster or KUBECONFIG).
+
+    Kopf calls it again after a 401 (the token file is then read again) and when an exec plugin's credential
+    reaches its expiry."""
     credentials = Credentials.from_environment()
+    expires = credentials.expires_at
     return kopf.ConnectionInfo(
         server=credentials.server,
         ca_path=credentials.ca_file,
@@ -61,4 +66,5 @@ def login() -> kopf.ConnectionInfo:
         token=credentials.token,
         certificate_path=credentials.cert_file,
         private_key_path=credentials.key_file,
+        expiration=datetime.fromtimestamp(expires, UTC) if expires is not None else None,
     )

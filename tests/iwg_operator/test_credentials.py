@@ -5,12 +5,13 @@ from __future__ import annotations
 import base64
 import stat
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from iwg_operator.credentials import CredentialsError, from_kubeconfig, from_service_account
+from iwg_operator.credentials import CredentialsError, TokenSource, from_kubeconfig, from_service_account
 
 
 def kubeconfig(path: Path, user: dict[str, Any], cluster: dict[str, Any], current: str = "ctx") -> Path:
@@ -108,3 +109,54 @@ def test_the_service_account_is_used_only_inside_a_pod(tmp_path: Path) -> None:
         str(tmp_path / "ca.crt"),
     )
     assert found.verify
+
+
+def test_an_exec_plugins_token_is_issued_again_when_it_expires_and_after_a_401(tmp_path: Path) -> None:
+    plugin = tmp_path / "plugin.py"
+    runs = tmp_path / "runs"
+    plugin.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "status = {'token': f'issued-{n}', 'expirationTimestamp': '2030-01-01T00:10:00Z'}\n"
+        "print(json.dumps({'kind': 'ExecCredential', 'status': status}))\n"
+    )
+    user = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": sys.executable,
+            "args": [str(plugin)],
+        }
+    }
+    found = from_kubeconfig([kubeconfig(tmp_path / "config", user, {"server": "https://s"})])
+    expiry = datetime(2030, 1, 1, 0, 10, tzinfo=UTC).timestamp()
+    assert (found.token, found.expires_at) == ("issued-0", expiry)
+    now = [expiry - 60]
+    source = TokenSource(found, wall_clock=lambda: now[0])
+    assert not source.due() and source.token() == "issued-0", "not yet within a minute of its expiry"
+    now[0] = expiry - 10
+    assert source.token() == "issued-1", "issued again shortly before it expires"
+    assert source.renew("issued-0") == "issued-1", "a 401 of a token already replaced runs nothing"
+    assert source.renew("issued-1") == "issued-2", "a 401 of the current token runs the plugin again"
+
+
+def test_a_token_file_is_read_again_after_a_minute_or_a_401_and_a_static_token_never(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("first\n")
+    found = from_service_account({"KUBERNETES_SERVICE_HOST": "h", "KUBERNETES_SERVICE_PORT": "1"}, tmp_path)
+    assert found is not None and found.token_file == str(tmp_path / "token")
+    clock = [0.0]
+    source = TokenSource(found, clock=lambda: clock[0])
+    (tmp_path / "token").write_text("second\n")
+    clock[0] = 59
+    assert source.token() == "first"
+    clock[0] = 60
+    assert source.token() == "second"
+    (tmp_path / "token").write_text("third\n")
+    assert source.renew("second") == "third"
+    (tmp_path / "token").unlink()  # mid-rotation
+    assert source.renew("third") == "third"
+    static = TokenSource(
+        from_kubeconfig([kubeconfig(tmp_path / "config", {"token": "t"}, {"server": "https://s"})])
+    )
+    assert not static.renewable and static.renew("t") == "t"
