@@ -63,6 +63,8 @@ SUPPORT_CONCURRENCY = 16
 # Seconds after which a pod no scheduler has looked at is reported (condition Unschedulable, NotScheduled).
 ENV_SCHEDULING_TIMEOUT = "IWG_SCHEDULING_TIMEOUT_S"
 MIN_BACKOFF_SECONDS = 1.0
+# Status writes refused because the group changed since it was read (409), each followed by a fresh read.
+STATUS_WRITE_ATTEMPTS = 5
 MAX_BACKOFF_SECONDS = 300.0
 
 
@@ -84,6 +86,9 @@ class GroupState:
     trigger: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     backoff: float = 0.0
+    # metadata.resourceVersion of the read the status in `body` comes from (a watch event, a write's answer, a
+    # GET): status writes are checked against it
+    status_version: str | None = None
     posted: dict[str, str] = field(default_factory=dict)  # event reason -> last message, to post once
     children_attempted: bool = False  # a retry after a failed first pass looks before it creates
     decided_generation: int = 0  # the generation whose spec was last accepted or rejected
@@ -98,6 +103,28 @@ class GroupState:
     @property
     def generation(self) -> int:
         return int(self.body.get("metadata", {}).get("generation") or 1)
+
+    def __post_init__(self) -> None:
+        if self.status_version is None:
+            self.status_version = _resource_version(self.body)
+
+    def see(self, body: Mapping[str, Any]) -> None:
+        """A watch event's body. Its status is kept only when it is not older than the status held: a watch
+        that lags (hundreds of groups) still delivers the bodies this operator's own later writes replaced, and
+        a pass computed from one of them would write back what those writes changed. Spec and metadata are
+        always taken (events arrive in order; only this operator's write answers run ahead of them)."""
+        version = _resource_version(body)
+        known = self.current_status
+        if _older(version, self.status_version) or (version is None and not body.get("status") and known):
+            self.body = {**body, "status": known}
+        else:
+            self.body = body
+            self.status_version = version
+
+    def adopt(self, body: Mapping[str, Any]) -> None:
+        """The object as a write answered it or a GET read it: its status, at its resourceVersion."""
+        self.body = {**self.body, "status": body.get("status") or {}}
+        self.status_version = _resource_version(body) or self.status_version
 
 
 def now_rfc3339() -> str:
@@ -151,7 +178,7 @@ class Controller:
         if state is None:
             state = self.groups[key] = GroupState(key=key, body=body)
         else:
-            state.body = body
+            state.see(body)
         return state.decided_generation != _generation(body)
 
     def accept(self, body: Mapping[str, Any], group: builders.Group) -> None:
@@ -172,9 +199,7 @@ class Controller:
     def _decided(self, body: Mapping[str, Any]) -> GroupState:
         state = self.groups.setdefault(key := _key(body), GroupState(key=key, body=body))
         if _generation(body) >= state.generation:
-            # Keep the status this operator already knows when the body predates it.
-            known = state.current_status
-            state.body = body if body.get("status") or not known else {**body, "status": known}
+            state.see(body)  # keeps the status this operator already knows when the body predates it
         state.decided_generation = _generation(body)
         state.backoff = 0.0
         return state
@@ -673,18 +698,45 @@ class Controller:
             raise
 
     async def _write_status(self, state: GroupState, desired: status.Status) -> None:
-        if not status.status_differs(state.current_status, desired):
-            return
+        """The reconciler's fields and conditions (status.reconciler_patch): the others' stay as they are."""
+        now = now_rfc3339()
+        written = await self.write_status(
+            state, lambda current: status.reconciler_patch(current, desired, now)
+        )
+        if written and "phase" in desired:
+            metrics.group_phase(*state.key, str(desired["phase"]))
+
+    async def write_status(
+        self, state: GroupState, change: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+    ) -> Mapping[str, Any] | None:
+        """Read-modify-write of the group's status, for the reconciler and the supervisor alike: `change` gets
+        the status as last read and returns the merge patch of its writer's own fields (empty: nothing to
+        write). The patch is checked against the resourceVersion that status was read at, so a write computed
+        from a status someone has changed since is refused (409) instead of putting back what they changed:
+        the group is read again and `change` asked again. Returns the patch written (None: none, or the group
+        is gone)."""
         namespace, name = state.key
-        try:
-            result = await self.kube.patch_status(GROUPS, namespace, name, desired)
-        except ApiError as error:
-            if error.status == 404:
-                return
-            raise
-        state.body = {**state.body, "status": result.get("status", desired)}
-        if "phase" in desired:
-            metrics.group_phase(namespace, name, str(desired["phase"]))
+        for attempt in range(STATUS_WRITE_ATTEMPTS):
+            patch = change(state.current_status)
+            if not patch:
+                return None
+            try:
+                result = await self.kube.patch_status(
+                    GROUPS, namespace, name, patch, resource_version=state.status_version
+                )
+            except ApiError as error:
+                if error.status == 404:
+                    return None
+                if error.status != 409 or attempt == STATUS_WRITE_ATTEMPTS - 1:
+                    raise
+                found = await self.kube.list(GROUPS, namespace, "", field_selector=f"metadata.name={name}")
+                if not found:
+                    return None
+                state.adopt(found[0])
+                continue
+            state.adopt(result)
+            return patch
+        return None
 
     async def _report_unschedulable(self, state: GroupState, pods: list[planning.ObservedPod]) -> None:
         """One Warning per distinct reason: the scheduler's refusal, or the condition's word that no scheduler
@@ -749,6 +801,19 @@ def _key(body: Mapping[str, Any]) -> GroupKey:
 
 def _generation(body: Mapping[str, Any]) -> int:
     return int(body.get("metadata", {}).get("generation") or 1)
+
+
+def _resource_version(body: Mapping[str, Any]) -> str | None:
+    version = body.get("metadata", {}).get("resourceVersion")
+    return str(version) if version else None
+
+
+def _older(version: str | None, than: str | None) -> bool:
+    """Whether one resourceVersion of an object precedes another. They compare as integers (Kubernetes >= 1.35,
+    KEP-5504: decimal, no leading zeros); a version that is not one is never called older."""
+    if not version or not than or not version.isdigit() or not than.isdigit():
+        return False
+    return (len(version), version) < (len(than), than)
 
 
 Observed = TypeVar("Observed", planning.ObservedPod, planning.ObservedPodGroup)

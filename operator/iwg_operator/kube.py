@@ -78,7 +78,9 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     DEPLOYMENTS: ("get", "create", "patch"),
     NETWORK_POLICIES: ("get", "create", "patch"),
     POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
-    GROUPS: ("patch",),  # the status and scale subresources (the autoscaler sets replicas through scale)
+    # patch: the status and scale subresources (the autoscaler sets replicas through scale); list: a status
+    # write refused as stale (409) reads the group again, by name (Kopf's watch needs list anyway)
+    GROUPS: ("list", "patch"),
     # Gang placement, where the cluster serves it: a Workload per group (replaced when the world size changes:
     # its templates are fixed), a PodGroup per replica (read from a Kopf index, never fetched one by one).
     WORKLOADS: ("get", "create", "delete"),
@@ -361,15 +363,29 @@ class KubeApi:
         )
 
     async def patch_status(
-        self, resource: Resource, namespace: str, name: str, status: Mapping[str, Any]
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        status: Mapping[str, Any],
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
-        return await self.patch(resource, namespace, name, {"status": status}, "status")
+        """A merge patch of the status; with `resource_version`, refused (409 Conflict) unless the object is
+        still at that version (optimistic concurrency: the patch was computed from that read)."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self.patch(resource, namespace, name, body, "status")
 
-    async def list(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        """The objects matching a label selector (the autoscaler finds the driver pod with it)."""
-        result = await self._request(
-            "list", "GET", resource, resource.path(namespace), params={"labelSelector": label_selector}
-        )
+    async def list(
+        self, resource: Resource, namespace: str, label_selector: str, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The objects matching a label selector (the autoscaler finds the driver pod with it) and, if given, a
+        field selector (`metadata.name=NAME`: one object read with the right to list)."""
+        params = {"labelSelector": label_selector}
+        if field_selector is not None:
+            params["fieldSelector"] = field_selector
+        result = await self._request("list", "GET", resource, resource.path(namespace), params=params)
         items: list[dict[str, Any]] = result.get("items") or []
         return items
 

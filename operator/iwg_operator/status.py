@@ -2,6 +2,12 @@
 
 Conditions keep their lastTransitionTime while their status does not change, so an unchanged world yields
 an identical status and the operator writes nothing.
+
+Two writers share the status: the reconciler (phase, counts, replicaStatuses and the conditions in
+RECONCILER_CONDITIONS) and the supervisor (restartCount, engine, avoidedNodes, scale counters and its own
+conditions). Each writes only its own fields and conditions, merged into the status as last read
+(`status_patch`), and the write is checked against the resourceVersion it was read at (see
+Controller.write_status): neither can put back a condition the other changed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,22 @@ SPEC_INVALID = "SpecInvalid"
 RECONCILE_FAILED = "ReconcileFailed"
 GANG_SCHEDULING = "GangScheduling"
 DRIVER_AVAILABLE = "DriverAvailable"
+
+# The conditions the reconciler computes; those in RECONCILER_REMOVES disappear when it no longer writes them
+# (a spec made valid, a refusal resolved, gang placement turned off). Other types belong to other writers.
+RECONCILER_CONDITIONS = frozenset(
+    {
+        READY,
+        PROGRESSING,
+        DEGRADED,
+        UNSCHEDULABLE,
+        SPEC_INVALID,
+        RECONCILE_FAILED,
+        GANG_SCHEDULING,
+        DRIVER_AVAILABLE,
+    }
+)
+RECONCILER_REMOVES = frozenset({SPEC_INVALID, RECONCILE_FAILED, GANG_SCHEDULING})
 
 GANG_NOT_SERVED = (
     "the cluster does not serve workloads and podgroups (scheduling.k8s.io/v1beta1: Kubernetes >= 1.37 with "
@@ -356,6 +378,62 @@ def invalid_spec_status(
             *kept,
         ],
     }
+
+
+def set_conditions(
+    current: Iterable[Mapping[str, Any]] | None,
+    mine: Iterable[Mapping[str, Any]],
+    owned: Iterable[str],
+    now: str,
+) -> list[dict[str, Any]]:
+    """The conditions after one writer sets its own: each of `mine` replaces the current one of its type in
+    place (new types go last); a current condition of an `owned` type not in `mine` is removed; every other
+    condition stays as it is. A condition whose status equals the current one keeps its lastTransitionTime
+    (it may have been computed from an older read); one whose status changes takes `now`."""
+    # lastTransitionTime `now`, corrected below where the status is unchanged
+    wanted = {c["type"]: {**c, "lastTransitionTime": now} for c in mine}
+    drop = set(owned) - wanted.keys()
+    result: list[dict[str, Any]] = []
+    for item in current or ():
+        kind = item.get("type")
+        if kind in drop:
+            continue
+        mine_now = wanted.pop(kind, None) if isinstance(kind, str) else None
+        if mine_now is None:
+            result.append(dict(item))
+            continue
+        if item.get("status") == mine_now["status"] and item.get("lastTransitionTime"):
+            mine_now["lastTransitionTime"] = item["lastTransitionTime"]
+        result.append(mine_now)
+    result.extend(wanted.values())
+    return result
+
+
+def status_patch(
+    current: Mapping[str, Any] | None,
+    fields: Mapping[str, Any],
+    conditions: Iterable[Mapping[str, Any]],
+    owned: Iterable[str],
+    now: str,
+) -> Status:
+    """The merge patch that sets one writer's `fields` and `conditions` (of the `owned` types) on the status
+    as last read: only what differs; empty when nothing does."""
+    current = current or {}
+    patch: Status = {key: value for key, value in fields.items() if current.get(key) != value}
+    before = list(current.get("conditions") or [])
+    merged = set_conditions(before, conditions, owned, now)
+    if merged != before:
+        patch["conditions"] = merged
+    return patch
+
+
+def reconciler_patch(current: Mapping[str, Any] | None, desired: Status, now: str) -> Status:
+    """`status_patch` for the reconciler's whole computed status (group_status, invalid_spec_status): its
+    fields, and its conditions of RECONCILER_CONDITIONS (the others' it copied are left to the others)."""
+    mine = [c for c in desired.get("conditions") or [] if c.get("type") in RECONCILER_CONDITIONS]
+    fields = {key: value for key, value in desired.items() if key != "conditions"}
+    owned = {c["type"] for c in mine} | RECONCILER_REMOVES
+    return status_patch(current, fields, mine, owned, now)
 
 
 def status_differs(current: Mapping[str, Any] | None, desired: Status) -> bool:

@@ -23,7 +23,7 @@ from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc333
 from iwg_operator.driver_admin import DriverPod, admin_token, drain_in_drivers, driver_addresses
 from iwg_operator.health.policy import avoid_after_fault, current_avoided
 from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
-from iwg_operator.kube import GROUPS, PODS, ApiError
+from iwg_operator.kube import GROUPS, PODS
 
 log = logging.getLogger("iwg_operator.supervisor")
 
@@ -224,29 +224,26 @@ class Supervisor:
         condition: dict[str, Any] | None = None,
         write_when_absent: bool = True,
     ) -> None:
-        """Counters and one condition of ours (the reconciler keeps conditions it does not own); nothing is
-        written when nothing changed. A False condition that was never True is left out unless asked.
+        """Counters and one condition of ours, merged into the status as last read and written with its
+        resourceVersion (Controller.write_status): a concurrent write by the reconciler is read again, never
+        overwritten. Nothing is written when nothing changed; a False condition that was never True is left
+        out unless asked.
         """
-        current = state.current_status or {}
-        patch: dict[str, Any] = {k: v for k, v in fields.items() if current.get(k) != v}
-        if condition is not None:
+
+        def change(current: Mapping[str, Any]) -> dict[str, Any]:
+            patch: dict[str, Any] = {k: v for k, v in fields.items() if current.get(k) != v}
+            if condition is None:
+                return patch
             existing = list(current.get("conditions") or [])
             old = next((c for c in existing if c.get("type") == condition["type"]), None)
             wanted = old is not None or write_when_absent or condition["status"] == "True"
             if wanted and (old is None or _differs(old, condition)):
-                patch["conditions"] = [c for c in existing if c.get("type") != condition["type"]] + [
-                    condition
-                ]
-        if not patch:
-            return
-        namespace, name = state.key
-        try:
-            result = await self.controller.kube.patch_status(GROUPS, namespace, name, patch)
-        except ApiError as error:
-            if error.status == 404:
-                return
-            raise
-        state.body = {**state.body, "status": result.get("status", {**current, **patch})}
+                patch["conditions"] = status.set_conditions(
+                    existing, [condition], {condition["type"]}, now_rfc3339()
+                )
+            return patch
+
+        await self.controller.write_status(state, change)
 
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

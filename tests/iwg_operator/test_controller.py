@@ -27,6 +27,7 @@ class RecordingKube:
     def __init__(self, gang_served: bool = False) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str]] = []
+        self.statuses: dict[str, dict[str, Any]] = {}  # group name -> status as written
         self.gang_served = gang_served  # whether discovery finds workloads and podgroups
         self.discoveries = 0
 
@@ -56,10 +57,21 @@ class RecordingKube:
         return body
 
     async def patch_status(
-        self, resource: Resource, namespace: str, name: str, status: dict[str, Any]
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
         self.calls.append(("patch", f"{resource.plural}/status", name))
-        return {"status": copy.deepcopy(status)}
+        merged = self.statuses.setdefault(name, {})  # a merge patch: top-level fields replaced, None removes
+        for key, value in status.items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = copy.deepcopy(value)
+        return {"status": copy.deepcopy(merged)}
 
     async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
         self.calls.append(("delete", resource.plural, name))
@@ -194,13 +206,18 @@ async def test_marking_an_invalid_spec_is_retried_when_the_api_refuses_it_for_a_
         failures = 1
 
         async def patch_status(
-            self, resource: Resource, namespace: str, name: str, status: dict[str, Any]
+            self,
+            resource: Resource,
+            namespace: str,
+            name: str,
+            status: dict[str, Any],
+            resource_version: str | None = None,
         ) -> dict[str, Any]:
             if self.failures:
                 self.failures -= 1
                 self.calls.append(("patch", "refused", name))
                 raise ApiError(503, "ServiceUnavailable", "etcd leader changed")
-            return await super().patch_status(resource, namespace, name, status)
+            return await super().patch_status(resource, namespace, name, status, resource_version)
 
     kube = FlakyStatus()
     ctl = controller(kube)
