@@ -3,8 +3,9 @@
 Rules: replicas at or above `replicas` go, highest first; a replica whose pods run another revision (image,
 env, world size, ...) is replaced as a whole, at most `maxUnavailable` available replicas at a time (an
 outdated replica that is not serving anyway is replaced at once); missing ranks of a current replica are created;
-a name still held by a terminating pod is not reused until that pod is gone; a pod that ended (Failed,
-Succeeded) is deleted so that it is recreated.
+a name still held by a terminating pod is not reused until that pod is gone. A pod that ended (Failed,
+Succeeded) keeps its name here: the health prober replaces it within spec.health's restart budget and backoff
+(deleting it here would recreate a pod the kubelet keeps rejecting at once, in a loop).
 
 Gang placement adds one PodGroup per replica (`plan_gang`): it is created before the replica's pods and
 deleted before them (scale down, rollout, Replica restart). A PodGroup being deleted marks its replica as
@@ -47,6 +48,13 @@ class ObservedPod:
     failure: str | None = (
         None  # why its worker last ended with an error (the container's termination message)
     )
+    # Why the pod ended (Failed, Succeeded): status.reason and message, as the kubelet says.
+    ended: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """The pod ran to an end (rejected or evicted by the kubelet, failed, completed): it never comes back."""
+        return self.phase in TERMINAL_PHASES
 
 
 def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
@@ -83,7 +91,15 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         created=metadata.get("creationTimestamp"),
         seen_by_scheduler="PodScheduled" in conditions,
         failure=termination_failure(status.get("containerStatuses") or []),
+        ended=_ended(status),
     )
+
+
+def _ended(status: Mapping[str, Any]) -> str | None:
+    if status.get("phase") not in TERMINAL_PHASES:
+        return None
+    why = ": ".join(str(status[k]) for k in ("reason", "message") if status.get(k))
+    return why[:FAILURE_MESSAGE_CHARS] or None
 
 
 FAILURE_MESSAGE_CHARS = 1024
@@ -260,10 +276,6 @@ def plan_pods(
             delete.extend(sorted(view.live, key=lambda p: -p.rank))
 
     kept = [views[i] for i in range(desired.replicas)]
-    # A pod that ran to an end (evicted, failed) never comes back by itself: remove it so it is recreated.
-    for view in kept:
-        if not view.outdated:
-            delete.extend(p for p in view.live if p.phase in TERMINAL_PHASES)
     unavailable = sum(1 for view in kept if not view.serving)
     budget = desired.max_unavailable - unavailable
     for view in sorted(kept, key=lambda v: -v.index):

@@ -136,6 +136,19 @@ def test_a_container_restart_fails_the_pod_at_once_but_a_starting_pod_is_not_pro
     assert "restarted" in memory.last_reason
 
 
+def test_a_pod_that_ended_fails_at_once_with_the_kubelets_reason() -> None:
+    """A Failed pod (the kubelet rejected it, say for lack of GPUs) is the prober's to replace, within budget."""
+    memory = PodHealth()
+    rejected = ObservedPod(
+        **{**pod(0, 0).__dict__, "phase": "Failed", "ready": False, "ended": "OutOfnvidia.com/gpu: no GPUs"}
+    )
+    assert observe(memory, rejected, None, 3, now=1.0)
+    assert memory.last_reason == "pod Failed: OutOfnvidia.com/gpu: no GPUs"
+    assert memory.failed_since == 1.0, "the backoff counts from the first time it was seen failed"
+    assert observe(memory, rejected, None, 3, now=2.0) and memory.failed_since == 1.0
+    assert observe(PodHealth(), pod(0, 0, phase="Succeeded"), None, 3, now=1.0)
+
+
 def test_replica_policy_takes_every_rank_of_the_replica() -> None:
     pods = [pod(0, 0), pod(0, 1), pod(1, 0), pod(1, 1)]
     assert [p.name for p in pods_to_replace(pods[1], pods, "Replica")] == ["g-r0-w0", "g-r0-w1"]

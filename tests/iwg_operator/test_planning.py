@@ -82,12 +82,46 @@ def test_world_size_change_replaces_whole_replicas() -> None:
     assert plan_pods(Desired(1, 4, "r2", 1), gone).create == ((0, 2), (0, 3))
 
 
-def test_missing_rank_is_recreated_and_failed_pod_deleted() -> None:
+def test_missing_rank_is_recreated_and_a_failed_pod_is_left_to_the_restart_budget() -> None:
     plan = plan_pods(Desired(1, 3, REV, 1), [pod(0, 0), pod(0, 2)])
     assert plan.create == ((0, 1),)
-    failed = ObservedPod(name="g-r0-w1", group="g", replica=0, rank=1, revision=REV, phase="Failed", uid="x")
-    plan = plan_pods(Desired(1, 2, REV, 1), [pod(0, 0), failed])
-    assert plan.delete == (failed,)
+    # A Failed pod (the kubelet rejected or evicted it) keeps its name: the health prober replaces it within
+    # spec.health's budget and backoff; deleting it here recreated it at once, in a loop.
+    for phase in ("Failed", "Succeeded"):
+        ended = ObservedPod(name="g-r0-w1", group="g", replica=0, rank=1, revision=REV, phase=phase, uid="x")
+        assert ended.terminal
+        plan = plan_pods(Desired(1, 2, REV, 1), [pod(0, 0), ended])
+        assert plan.empty, plan
+    # Scale-down and rollouts still remove ended pods with the rest of their replica.
+    failed = ObservedPod(name="g-r1-w0", group="g", replica=1, rank=0, revision=REV, phase="Failed", uid="y")
+    assert plan_pods(Desired(1, 1, REV, 1), [pod(0, 0), failed]).delete == (failed,)
+    outdated = ObservedPod(
+        name="g-r0-w0", group="g", replica=0, rank=0, revision="old", phase="Failed", uid="z"
+    )
+    assert plan_pods(Desired(1, 1, REV, 1), [outdated]).delete == (outdated,)
+
+
+def test_observe_pod_says_why_a_pod_ended() -> None:
+    body = {
+        "metadata": {
+            "name": "g-r0-w0",
+            "uid": "u",
+            "labels": {labels.GROUP: "g", labels.REPLICA: "0", labels.RANK: "0", labels.REVISION: REV},
+        },
+        "status": {
+            "phase": "Failed",
+            "reason": "UnexpectedAdmissionError",
+            "message": "Allocate failed due to requested number of devices unavailable for nvidia.com/gpu",
+        },
+    }
+    observed = observe_pod(body)
+    assert observed is not None and observed.terminal
+    assert observed.ended == (
+        "UnexpectedAdmissionError: Allocate failed due to requested number of devices unavailable for "
+        "nvidia.com/gpu"
+    )
+    running = observe_pod({**body, "status": {"phase": "Running", "reason": "x"}})
+    assert running is not None and not running.terminal and running.ended is None
 
 
 def test_observe_pod_reads_labels_readiness_and_scheduler_message() -> None:

@@ -90,18 +90,22 @@ def observe(
     """Fold one round into the pod's memory; True when the pod has failed (replace it).
 
     A container restart (the kubelet saw the process die) fails the pod at once: the replica's in-memory
-    state, and for world size > 1 its collective communicators, are gone. Failed checks count only once the
-    worker has answered one deep check: before that it is starting (the kubelet's startup probe owns it), or
-    it cannot be reached from the operator at all, which replacing it would not mend. `outcome` is None when
-    the pod was not probed this round.
+    state, and for world size > 1 its collective communicators, are gone. So does a pod that ended (Failed:
+    rejected or evicted by the kubelet; Succeeded): it never comes back by itself, and replacing it goes
+    through the same budget and backoff as any other failure (the reconciler never deletes it). Failed checks
+    count only once the worker has answered one deep check: before that it is starting (the kubelet's startup
+    probe owns it), or it cannot be reached from the operator at all, which replacing it would not mend.
+    `outcome` is None when the pod was not probed this round.
     """
     if memory.restarts_seen is None:
         memory.restarts_seen = pod.restarts
-    if pod.restarts > memory.restarts_seen or pod.phase == "Failed":
+    if pod.restarts > memory.restarts_seen or pod.terminal:
         memory.restarts_seen = pod.restarts
         memory.failures = max(memory.failures + 1, threshold)
         memory.last_reason = (
-            f"container restarted ({pod.restarts} restarts)" if pod.phase != "Failed" else "pod failed"
+            f"pod {pod.phase}" + (f": {pod.ended or pod.failure}" if pod.ended or pod.failure else "")
+            if pod.terminal
+            else f"container restarted ({pod.restarts} restarts)"
         )
     elif outcome is None or (not outcome.healthy and not memory.was_healthy):
         return memory.failures >= threshold
