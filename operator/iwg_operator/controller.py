@@ -2,8 +2,11 @@
 
 Kopf handlers only feed it (group bodies, spec acceptance, pod changes); it never lists anything: pods come
 from Kopf's in-memory pod index. Bursts of events are coalesced; a group is never reconciled twice at once.
-Writes happen only when something differs: children carry a hash of their desired content, pods have
-deterministic names (a second create is a harmless 409), and status is patched only when it changes.
+Writes happen only when something differs: children are compared field by field with what the builders
+produce (they carry a hash of their desired content), pods have deterministic names (a second create is a
+harmless 409), and status is patched only when it changes. Children deleted or edited by hand are repaired:
+the handlers feed their watch events (`child_changed`), and a child that is gone or differs makes the group's
+loop look at its children again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, TypeVar
 import aiohttp
 import zmq
 
-from iwg_operator import builders, labels, metrics, planning, status
+from iwg_operator import builders, drift, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import secret_name, stable_hash
 from iwg_operator.builders.workers import name_group_fields
@@ -95,6 +98,15 @@ class GroupState:
     invalid: str | None = None  # why the decided spec was rejected; the loop marks the group with it
     drained: set[int] = field(default_factory=set)  # replicas drained in the driver for a scale-down
     support_refused: str | None = None  # why the supporting objects were refused, until they are applied
+    # Children deleted or edited by hand: each such watch event counts up `repairs_due`; a pass that applied
+    # every child sets `repairs_done` to the count it started with.
+    repairs_due: int = 0
+    repairs_done: int = 0
+    # The data of the group's deleted Secret, to put back as it was.
+    lost_secret: Mapping[str, str] | None = None
+    # (plural, name) -> (desired spec hash, fingerprint): what an apply left that still differs from the manifest
+    # (another manager's item in a list the operator sets); not written again while it stays so.
+    accepted_drift: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -220,6 +232,58 @@ class Controller:
         if state is not None and state.group is not None:
             self._wake(state)
 
+    def child_changed(self, key: GroupKey, plural: str, body: Mapping[str, Any], deleted: bool) -> None:
+        """A watch event of an object labelled as the operator's (driver Deployment, Services, Secret,
+        ConfigMap, NetworkPolicies, PDBs): when it is gone or a field the operator sets differs from what the
+        builders produce, the group's loop repairs its children (compare, then recreate or apply)."""
+        state = self.groups.get(key)
+        group = None if state is None else state.group
+        if state is None or group is None or not drift.owned_by(body, group.uid):
+            return  # not a live group's (the group's own deletion takes its children), or not this group's
+        if deleted:
+            if plural == SECRETS.plural:
+                state.lost_secret = dict(body.get("data") or {})
+        elif state.children_hash != self._children_hash(group) or plural == SECRETS.plural:
+            return  # a pass applying this spec is due and looks at every child anyway; the Secret is immutable
+        else:
+            name = str(body.get("metadata", {}).get("name"))
+            desired = self._desired_child(group, plural, name)
+            if desired is None:
+                return
+            accepted = state.accepted_drift.get((plural, name))
+            digest = desired["metadata"]["annotations"][labels.SPEC_HASH]
+            if drift.in_sync(desired, body, accepted[1] if accepted and accepted[0] == digest else None):
+                return
+        log.info("%s/%s: %s %s %s; repairing", *key, plural, body.get("metadata", {}).get("name"),
+                 "deleted" if deleted else "edited")  # fmt: skip
+        state.repairs_due += 1
+        self._wake(state)
+
+    def _desired_child(self, group: builders.Group, plural: str, name: str) -> builders.Manifest | None:
+        """The builders' manifest of one supporting object (built on demand: none is kept in memory)."""
+        for resource, manifest in self._support_children(group):
+            if resource.plural == plural and manifest["metadata"]["name"] == name:
+                return manifest
+        return None
+
+    def _children_hash(self, group: builders.Group) -> str:
+        return stable_hash(
+            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+        )
+
+    def _support_children(self, group: builders.Group) -> list[tuple[Resource, builders.Manifest]]:
+        return [
+            (NETWORK_POLICIES, builders.network_policy(group, self.settings)),
+            (NETWORK_POLICIES, builders.driver_network_policy(group, self.settings)),
+            (CONFIG_MAPS, builders.config_map(group, self.settings)),
+            (SERVICES, builders.headless_service(group)),
+            (SERVICES, builders.driver_service(group)),
+            (SERVICES, builders.drivers_service(group)),
+            (DEPLOYMENTS, builders.driver_deployment(group)),
+            (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
+            (POD_DISRUPTION_BUDGETS, builders.driver_disruption_budget(group)),
+        ]
+
     def forget(self, key: GroupKey) -> None:
         state = self.groups.pop(key, None)
         metrics.group_gone(*key)
@@ -289,10 +353,10 @@ class Controller:
         """
         group = state.group
         assert group is not None
-        children_hash = stable_hash(
-            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
-        )
-        children_due = state.children_hash != children_hash  # unchanged spec: no child is even looked at
+        children_hash = self._children_hash(group)
+        # Unchanged spec and no child deleted or edited: no child is even looked at.
+        repairs = state.repairs_due
+        children_due = state.children_hash != children_hash or repairs != state.repairs_done
         # A group no operator has reconciled yet has no children: create them without looking first.
         fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
         state.children_attempted = state.children_attempted or children_due
@@ -311,10 +375,12 @@ class Controller:
         failure: str | None = None
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
         await self._undrain_kept(state, group)
-        if children_due:
+        # New pods mount the Secret and must be fenced by the NetworkPolicies: before creating any, a group
+        # that is not new looks at those too, in case their deletion has not reached the watch yet.
+        if children_due or (plan.create and not fresh):
             try:
-                await self._ensure_secret(group, fresh)
-                await self._ensure_network_policy(group, fresh)
+                await self._ensure_secret(state, group, fresh)
+                await self._ensure_network_policy(state, group, fresh)
                 if gang_served:
                     await self._ensure_workload(group, fresh)
             except ReconcileRefused as error:
@@ -363,8 +429,9 @@ class Controller:
         if children_due and not failure:
             try:
                 async with self._support_slots:
-                    await self._ensure_support(group, fresh)
+                    await self._ensure_support(state, group, fresh)
                 state.children_hash = children_hash
+                state.repairs_done = repairs
                 if state.support_refused is not None:
                     state.support_refused = None
                     await self._write_status(state, current_status())
@@ -603,32 +670,24 @@ class Controller:
             wave *= 2
         return created, None
 
-    async def _ensure_support(self, group: builders.Group, fresh: bool) -> None:
-        """ConfigMap, Services, driver Deployment, PDB: create, or apply what changed."""
-        children: list[tuple[Resource, builders.Manifest]] = [
-            (CONFIG_MAPS, builders.config_map(group, self.settings)),
-            (SERVICES, builders.headless_service(group)),
-            (SERVICES, builders.driver_service(group)),
-            (SERVICES, builders.drivers_service(group)),
-            (DEPLOYMENTS, builders.driver_deployment(group)),
-            (POD_DISRUPTION_BUDGETS, builders.pod_disruption_budget(group)),
-            (POD_DISRUPTION_BUDGETS, builders.driver_disruption_budget(group)),
-        ]
+    async def _ensure_support(self, state: GroupState, group: builders.Group, fresh: bool) -> None:
+        """ConfigMap, Services, driver Deployment, PDB: create, or apply what differs."""
+        children = [(r, m) for r, m in self._support_children(group) if r is not NETWORK_POLICIES]
         results = await gather_limited(
-            WRITE_CONCURRENCY, *(self._ensure_child(group, resource, m, fresh) for resource, m in children)
+            WRITE_CONCURRENCY,
+            *(self._ensure_child(state, group, resource, m, fresh) for resource, m in children),
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _ensure_network_policy(self, group: builders.Group, fresh: bool) -> None:
+    async def _ensure_network_policy(self, state: GroupState, group: builders.Group, fresh: bool) -> None:
         """The workers' and the driver's NetworkPolicies, ahead of the pods they fence."""
-        for manifest in (
-            builders.network_policy(group, self.settings),
-            builders.driver_network_policy(group, self.settings),
-        ):
+        for resource, manifest in self._support_children(group):
+            if resource is not NETWORK_POLICIES:
+                continue
             try:
-                await self._ensure_child(group, NETWORK_POLICIES, manifest, fresh)
+                await self._ensure_child(state, group, NETWORK_POLICIES, manifest, fresh)
             except ApiError as error:
                 if error.refusal:
                     raise _refused("NetworkPolicy", manifest["metadata"]["name"], error) from error
@@ -653,14 +712,19 @@ class Controller:
                 raise _refused("Workload", name, error) from error
             raise
 
-    async def _ensure_secret(self, group: builders.Group, fresh: bool) -> None:
+    async def _ensure_secret(self, state: GroupState, group: builders.Group, fresh: bool) -> None:
+        """The CURVE keypair and admin token, generated once. A Secret deleted by hand comes back with the data
+        it had (the watch showed it), so running pods and new ones keep sharing one keypair."""
         name = secret_name(group.name)
         current = None if fresh else await self.kube.get(SECRETS, group.namespace, name)
         if current is None:
             public_key, secret_key = zmq.curve_keypair()
             manifest = builders.curve_secret(group, public_key, secret_key, secrets.token_urlsafe(32))
+            if state.lost_secret and set(state.lost_secret) >= set(manifest["data"]):
+                manifest["data"] = {key: state.lost_secret[key] for key in manifest["data"]}
             try:
                 await self.kube.create(SECRETS, group.namespace, manifest)
+                state.lost_secret = None
                 return
             except ApiError as error:
                 if error.status != 409:
@@ -672,7 +736,12 @@ class Controller:
             _check_owner(current, group, "Secret")  # keys are generated once, never rotated by a reconcile
 
     async def _ensure_child(
-        self, group: builders.Group, resource: Resource, manifest: builders.Manifest, fresh: bool
+        self,
+        state: GroupState,
+        group: builders.Group,
+        resource: Resource,
+        manifest: builders.Manifest,
+        fresh: bool,
     ) -> None:
         """Create, or compare and apply; a fresh group's children are created without a lookup first."""
         name = manifest["metadata"]["name"]
@@ -689,9 +758,31 @@ class Controller:
                 if current is None:
                     return  # deleted meanwhile: the next spec change creates it
             _check_owner(current, group, resource.kind)
-            have = (current.get("metadata", {}).get("annotations") or {}).get(labels.SPEC_HASH)
-            if have != manifest["metadata"]["annotations"][labels.SPEC_HASH]:
-                await self.kube.apply(resource, group.namespace, name, manifest)
+            digest = manifest["metadata"]["annotations"][labels.SPEC_HASH]
+            accepted = state.accepted_drift.get((resource.plural, name))
+            if drift.in_sync(manifest, current, accepted[1] if accepted and accepted[0] == digest else None):
+                return
+            try:
+                result: Mapping[str, Any] | None = await self.kube.apply(
+                    resource, group.namespace, name, manifest
+                )
+            except ApiError as error:
+                if error.status != 422:
+                    raise
+                result = None  # merged with another manager's edit, the object is invalid (a port twice)
+            if result is None or drift.accepted_after_apply(manifest, result) is not None:
+                # Apply keeps what other field managers own (an edited port is theirs): put ours back by patch.
+                patch = drift.repair_patch(manifest, result or current)
+                result = await self.kube.patch(resource, group.namespace, name, patch)
+            left = drift.accepted_after_apply(manifest, result)
+            if left is None:
+                state.accepted_drift.pop((resource.plural, name), None)
+            else:
+                # Another field manager's item in a list the operator sets: apply cannot remove it. Say so once,
+                # and do not write the same state again.
+                state.accepted_drift[(resource.plural, name)] = (digest, left)
+                log.warning("%s %s/%s still differs from its manifest after an apply", resource.kind,
+                            group.namespace, name)  # fmt: skip
         except ApiError as error:
             if error.refusal:
                 raise _refused(resource.kind, name, error) from error

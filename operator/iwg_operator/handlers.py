@@ -30,6 +30,7 @@ WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPO
 DRIVER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_DRIVER}
 POD_GROUP_RESOURCE = (POD_GROUPS.group, POD_GROUPS.version, POD_GROUPS.plural)
 GANGS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_GANG}
+OWNED = {labels.MANAGED_BY: labels.MANAGER}
 
 
 def _controller(memo: kopf.Memo) -> Controller:
@@ -150,6 +151,29 @@ async def pod_group_event(body: kopf.Body, namespace: str | None, memo: kopf.Mem
     controller.pods_changed(
         (str(namespace), str(body.get("metadata", {}).get("labels", {}).get(labels.GROUP)))
     )
+
+
+# The groups' other children (runtime.OWNED_KINDS, filtered by label on the server): one deleted or edited by
+# hand is repaired.
+@kopf.on.event("apps", "v1", "deployments", labels=OWNED)
+@kopf.on.event("", "v1", "services", labels=OWNED)
+@kopf.on.event("", "v1", "configmaps", labels=OWNED)
+@kopf.on.event("", "v1", "secrets", labels=OWNED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
+async def owned_event(
+    type: str | None,
+    body: kopf.Body,
+    namespace: str | None,
+    resource: kopf.Resource,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    group = body.get("metadata", {}).get("labels", {}).get(labels.GROUP)
+    if group:
+        _controller(memo).child_changed(
+            (str(namespace), str(group)), resource.plural, body, type == "DELETED"
+        )
 
 
 @kopf.on.event(*GROUP_RESOURCE)

@@ -71,13 +71,14 @@ POD_GROUPS = Resource("scheduling.k8s.io", "v1beta1", "podgroups", "PodGroup")
 # (plus Kopf's own needs: watch/list/patch on groups, watch/list on pods, create events, list CRDs).
 RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     PODS: ("create", "delete", "list"),  # list: the autoscaler finds the driver pod
-    SERVICES: ("get", "create", "patch"),
-    CONFIG_MAPS: ("get", "create", "patch"),
-    SECRETS: ("get", "create"),
+    # The children: watched by Kopf (list, watch) so that one deleted or edited by hand is repaired.
+    SERVICES: ("get", "list", "watch", "create", "patch"),
+    CONFIG_MAPS: ("get", "list", "watch", "create", "patch"),
+    SECRETS: ("get", "list", "watch", "create"),
     EVENTS: ("create",),
-    DEPLOYMENTS: ("get", "create", "patch"),
-    NETWORK_POLICIES: ("get", "create", "patch"),
-    POD_DISRUPTION_BUDGETS: ("get", "create", "patch"),
+    DEPLOYMENTS: ("get", "list", "watch", "create", "patch"),
+    NETWORK_POLICIES: ("get", "list", "watch", "create", "patch"),
+    POD_DISRUPTION_BUDGETS: ("get", "list", "watch", "create", "patch"),
     # patch: the status and scale subresources (the autoscaler sets replicas through scale); list: a status
     # write refused as stale (409) reads the group again, by name (Kopf's watch needs list anyway)
     GROUPS: ("list", "patch"),

@@ -22,6 +22,9 @@ POD_SELECTOR = (
     f"{labels.MANAGED_BY}={labels.MANAGER},"
     f"{labels.COMPONENT} in ({labels.COMPONENT_WORKER},{labels.COMPONENT_DRIVER})"
 )
+# The groups' other children, watched so that one deleted or edited by hand is repaired (handlers.owned_event).
+OWNED_KINDS = ("deployments", "services", "configmaps", "secrets", "networkpolicies", "poddisruptionbudgets")
+OWNED_SELECTOR = f"{labels.MANAGED_BY}={labels.MANAGER}"
 
 
 def configure_kopf(settings: kopf.OperatorSettings) -> None:
@@ -29,6 +32,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.posting.enabled = False
     # Watch only the operator's worker and driver pods, filtered by the API server.
     settings.watching.label_selectors["pods"] = POD_SELECTOR
+    for plural in OWNED_KINDS:  # and only the operator's children of these kinds
+        settings.watching.label_selectors[plural] = OWNED_SELECTOR
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     # Resources are discovered once; no CRD/namespace scanning (smaller RBAC, fewer requests).

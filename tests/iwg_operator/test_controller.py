@@ -144,6 +144,40 @@ async def test_first_pass_creates_everything_and_a_settled_group_writes_nothing(
     assert state.current_status["phase"] == "Running"
 
 
+async def test_a_child_deleted_or_edited_by_hand_is_repaired_alone_and_the_secret_keeps_its_keys() -> None:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
+    ctl.groups[state.key] = state
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    secret = kube.objects.pop(("secrets", "g-curve"))
+    deployment = kube.objects.pop(("deployments", "g-driver"))
+    service = kube.objects[("services", "g-driver")]
+    # Events of objects that match their manifest, or are not the group's, change nothing.
+    ctl.child_changed(state.key, "services", service, deleted=False)
+    ctl.child_changed(
+        state.key, "deployments", {**deployment, "metadata": {"name": "g-driver"}}, deleted=True
+    )
+    assert state.repairs_due == 0
+    ctl.child_changed(state.key, "secrets", secret, deleted=True)
+    ctl.child_changed(state.key, "deployments", deployment, deleted=True)
+    service["spec"]["selector"] = {"app": "other"}
+    ctl.child_changed(state.key, "services", service, deleted=False)
+    assert state.repairs_due == 3
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert sorted(kube.writes()) == [
+        ("apply", "services", "g-driver"),
+        ("create", "deployments", "g-driver"),
+        ("create", "secrets", "g-curve"),
+    ]
+    assert kube.objects[("secrets", "g-curve")]["data"] == secret["data"], "the same keys"
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert kube.calls == [], "repaired: nothing more"
+
+
 async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret() -> None:
     kube = RecordingKube()
     ctl = controller(kube)

@@ -20,22 +20,25 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, delete]
-# The group's children: driver Deployment, Services, CURVE Secret, ConfigMap, NetworkPolicy, PDB.
+# The group's children: driver Deployment, Services, CURVE Secret, ConfigMap, NetworkPolicy, PDB. Watched
+# (filtered by the label app.kubernetes.io/managed-by=iwg-operator on the server) so that one deleted or edited
+# by hand is repaired; list and watch on Secrets let the operator read every Secret of these namespaces, as
+# get already does by name.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services, configmaps]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [get, list, watch, create]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 # Gang placement (scheduling.k8s.io/v1beta1, where the cluster serves it): one Workload per group, replaced
 # when the world size changes (its templates are fixed); one PodGroup per replica, kept in an index fed by a
 # watch, created before the replica's pods and deleted before them.
