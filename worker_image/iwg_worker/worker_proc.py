@@ -201,6 +201,14 @@ def _request_ids(call: protocol.Call) -> list[str]:
     return [r["id"] for r in requests if isinstance(r, dict) and isinstance(r.get("id"), str)]
 
 
+def _cancelled_ids(call: protocol.Call) -> list[str]:
+    """The ids of the generation requests an ``engine_cancel`` call names."""
+    ids = call.args[0] if call.args else None
+    if not isinstance(ids, list):
+        return []
+    return [rid for rid in ids if isinstance(rid, str)]
+
+
 @dataclass(eq=False, slots=True)
 class _DriverLink:
     """One driver: calls and pings come in on ``rpc`` (DEALER), hello, heartbeats, replies and goodbye go out
@@ -301,6 +309,12 @@ class WorkerProc:
         # and a driver's requests are cancelled when it is lost (no reader is left for them).
         self._stream_links: dict[str, _DriverLink] = {}
         self._stream_lock = threading.Lock()
+        streams = Gauge(
+            "iwg_worker_streams",
+            "Generation requests this worker streams to a driver",
+            registry=self.metrics.registry,
+        )
+        streams.set_function(lambda: float(len(self._stream_links)))
         self._output_closing = False
         self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
         self._output_thread.start()
@@ -425,7 +439,7 @@ class WorkerProc:
                 self._stream_links[rid] = link
 
     def _disown(self, request_ids: Iterable[str]) -> None:
-        """Forget requests the engine refused (they never stream)."""
+        """Forget requests the engine refused (they never stream) or cancelled (they stream no more)."""
         with self._stream_lock:
             for rid in request_ids:
                 self._stream_links.pop(rid, None)
@@ -723,6 +737,9 @@ class WorkerProc:
             requests, _errors, step = self.metrics.for_method(label)
             requests.inc()
             step.observe(time.perf_counter() - started)
+        if call.method == "engine_cancel":
+            # A cancelled request sends no final item, which would otherwise be what forgets its owner.
+            self._disown(_cancelled_ids(call))
         if tracks_streams and isinstance(result, list):
             self._disown(
                 answer["id"]
