@@ -1,20 +1,23 @@
-"""`WorkerProc` in real `iwg-worker` processes, over real ZMQ: cancelled generation requests leave nothing
-behind."""
+"""`WorkerProc` in real `iwg-worker` processes, over real ZMQ: its links to several drivers are independent (an
+unreachable driver costs a healthy one nothing), and cancelled generation requests leave nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
-from iwg_worker.executor.multiproc import MultiprocExecutor
+from iwg_operator.api import wiring
+from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker
 from iwg_worker.worker_base import WorkerConfig
 
-from tests.iwg_worker.driver.conftest import STARTUP_TIMEOUT_S
+from tests.iwg_worker.driver.conftest import STARTUP_TIMEOUT_S, stop, wait_http, wire_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,6 +37,72 @@ def health_port(worker_log: Path) -> int:
         assert time.monotonic() < deadline, worker_log.read_text(errors="replace")[-2000:]
         time.sleep(0.1)
     return int(found[0])
+
+
+# -- an unreachable second driver ------------------------------------------------------------------------
+
+# ZMQ queues 1000 messages for a peer that never connects; each heartbeat is one. 1300 heartbeats are the 20
+# minutes of a crash-looping second driver pod at the default 1 s. At 0.15 s a heartbeat's timeout (0.45 s)
+# still leaves room for a busy machine's scheduling delays.
+HEARTBEAT_S = 0.15
+BEATS = 1300
+
+
+def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path: Path) -> None:
+    """Two drivers named, one never up (its address refuses every connection: a crash-looping driver pod the
+    headless Service still lists). For 1300 heartbeats the healthy driver serves without a break: no replica
+    lost, no call failed, and the worker counts the dead driver as lost and drops what it cannot take."""
+    wired = wire_group(tmp_path, "twolinks", replicas=1, bound=1, heartbeat_s=HEARTBEAT_S, drivers=2)
+    dead_rpc = wired.driver_envs[1][wiring.RPC_ENDPOINT]
+    driver, driver_log = wired.start_driver(0)  # driver 1 never starts
+    worker_log = tmp_path / "worker.log"
+    worker = launch_worker(wired.worker_envs[0], worker_log)
+    try:
+        wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
+        port = health_port(worker_log)
+        answered, failures, lost_at = asyncio.run(_embed_for(wired.url, BEATS * HEARTBEAT_S, driver_log))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            links = {d["endpoint"]: d for d in json.loads(resp.read())["drivers"]}
+        dropped = worker_metric(port, "iwg_worker_dropped_messages_total")
+        print(
+            f"{BEATS} heartbeats of {HEARTBEAT_S} s with a dead second driver: {answered} calls answered, "
+            f"{len(failures)} failed; the worker dropped {dropped:.0f} messages to the dead driver; links: {links}"
+        )
+        log = driver_log.read_text(errors="replace")
+        assert lost_at is None, f"the healthy driver lost the replica {lost_at:.0f} s in:\n{log[-3000:]}"
+        assert " left: " not in log and "lost (" not in log, log[-3000:]
+        assert not failures, failures[:5]
+        assert answered > BEATS
+        assert links[dead_rpc]["lost"] is True and links[dead_rpc]["connected"] is False
+        assert links[wired.driver_envs[0][wiring.RPC_ENDPOINT]]["connected"] is True
+        assert dropped > 0  # ZMQ's queue for the dead driver filled, and the worker went on without waiting
+        assert f"no driver has reached this worker on {dead_rpc}" in worker_log.read_text()
+    finally:
+        stop(worker, timeout=15)
+        stop(driver, timeout=15)
+
+
+async def _embed_for(url: str, seconds: float, driver_log: Path) -> tuple[int, list[str], float | None]:
+    """Embedding calls one after another for ``seconds``: (answered, failures, when the driver first lost the
+    replica, or None)."""
+    started = time.monotonic()
+    answered = 0
+    failures: list[str] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.monotonic() - started < seconds:
+            if " left: " in driver_log.read_text(errors="replace"):
+                return answered, failures, time.monotonic() - started
+            body = {"model": "minilm", "input": f"sentence {answered} about owls"}
+            try:
+                async with session.post(f"{url}/v1/embeddings", json=body) as resp:
+                    if resp.status == 200 and len((await resp.json())["data"][0]["embedding"]) == 384:
+                        answered += 1
+                    else:
+                        failures.append(f"HTTP {resp.status}: {await resp.text()}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(0.05)
+    return answered, failures, None
 
 
 # -- cancelled streams -----------------------------------------------------------------------------------

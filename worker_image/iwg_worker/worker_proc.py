@@ -18,15 +18,22 @@ every link in turn and replies on the link the call came from; heartbeats, goodb
 to every link (a driver drops stream items of requests it does not know). A link whose address left the name
 is closed.
 
+Links are independent: nothing sent to one driver waits for another. Every send is non-blocking; a message
+its socket has no room for waits in that link's own backlog (at most ``MAX_BACKLOG`` messages, in order), and
+a driver that takes nothing for the driver timeout, or is lost, has its messages dropped (counted in
+``iwg_worker_dropped_messages_total``) instead of held: a dead driver costs the others nothing.
+
 Driver loss: a driver pings every member once per heartbeat interval. When no ping has come on a link for
-``heartbeat_interval_s * DEFAULT_HEARTBEAT_MISSES`` the worker logs that the driver is lost and keeps its model
-loaded; ZMQ reconnects the link's sockets to the same address, the heartbeats that keep going out introduce
-the worker to the driver that comes up there, and its first ping ends the loss.
+``heartbeat_interval_s * DEFAULT_HEARTBEAT_MISSES`` (counted from the link's opening when no ping ever came)
+the worker logs that the driver is lost and keeps its model loaded; ZMQ reconnects the link's sockets to the
+same address, the heartbeats that keep going out introduce the worker to the driver that comes up there, and
+its first ping ends the loss.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -38,8 +45,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -62,6 +70,9 @@ log = logging.getLogger("iwg_worker.worker_proc")
 DEFAULT_WORKER_CLS = "iwg_worker.torch_worker.TorchWorker"
 LIVENESS_TIMEOUT_S = 30.0
 OVERFLOW_WAIT_S = 10.0
+MAX_BACKLOG = 1024  # messages a link holds for a driver that is slow to take them (beyond ZMQ's own queue)
+BACKLOG_RETRY_S = 0.005  # how soon the output thread tries a backlog again
+CLOSE_FLUSH_S = 1.0  # how long a closing worker keeps trying to hand its backlogs (goodbyes) to live drivers
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,15 +223,21 @@ def _cancelled_ids(call: protocol.Call) -> list[str]:
 @dataclass(eq=False, slots=True)
 class _DriverLink:
     """One driver: calls and pings come in on ``rpc`` (DEALER), hello, heartbeats, replies and goodbye go out
-    on ``response`` (PUSH). Created and closed by the busy loop; ``response`` is used under the send lock."""
+    on ``response`` (PUSH). Created and closed by the busy loop; ``response``, ``backlog``, ``stalled_since``
+    and ``dropped`` are used under the send lock."""
 
     endpoints: tuple[str, str]
     rpc: zmq.Socket[bytes]
     response: zmq.Socket[bytes]
+    opened_at: float = field(default_factory=time.monotonic)
     last_ping: float | None = None
     lost: bool = False
     last_call: int | None = None
     closed: bool = False
+    backlog: deque[list[Any]] = field(default_factory=deque)  # waiting for room on ``response``, in order
+    stalled_since: float | None = None  # since when ``response`` has had no room (None: it takes messages)
+    dropped: int = 0
+    dropping: bool = False  # dropped since it last took a message (logged once per episode)
 
 
 class _Metrics:
@@ -230,6 +247,11 @@ class _Metrics:
         self.errors = Counter("iwg_worker_errors", "Calls that raised", ["method"], registry=self.registry)
         self.rejected = Counter(
             "iwg_worker_rejected_messages", "Malformed messages dropped", registry=self.registry
+        )
+        self.dropped = Counter(
+            "iwg_worker_dropped_messages",
+            "Outgoing messages dropped for a driver that was lost or took nothing for the driver timeout",
+            registry=self.registry,
         )
         self.step = Histogram(
             "iwg_worker_step_seconds",
@@ -285,6 +307,11 @@ class WorkerProc:
         worker.init_device()
         worker.load_model()
         self._model_loaded = True
+        # The model's and libraries' objects live as long as the process: out of the collector's sight, a full
+        # collection no longer walks them (0.7-0.9 s with SmolLM2 loaded, every thread stopped: a missed
+        # heartbeat at short intervals, a pause in every stream). vLLM's EngineCore does the same.
+        gc.collect()
+        gc.freeze()
 
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.routing_id = f"{self.replica}/{self.rank}/{uuid.uuid4().hex[:8]}".encode()
@@ -296,7 +323,10 @@ class WorkerProc:
             driver_endpoints(config.rpc_endpoint, config.response_endpoint)
         )
         self.links: list[_DriverLink] = []
-        self._outbox: queue.SimpleQueue[tuple[_DriverLink, list[Any]] | None] = queue.SimpleQueue()
+        # Messages whose sender found the send lock taken: the next holder of the lock moves them to their
+        # links' backlogs before anything else, so each link's messages keep their order.
+        self._outbox: queue.SimpleQueue[tuple[_DriverLink, list[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()  # the output thread has an outbox or a backlog to look at
         self._sync_links()
         self.ring = (
             shm_ring.RingReader(config.ring_path, config.ring_reader, config.ring_wake, config.ring_spin_s)
@@ -354,6 +384,9 @@ class WorkerProc:
                     "endpoint": link.endpoints[0],
                     "ping_age_s": None if link.last_ping is None else round(now - link.last_ping, 3),
                     "connected": link.last_ping is not None and not link.lost,
+                    "lost": link.lost,
+                    "backlog": len(link.backlog),
+                    "dropped": link.dropped,
                 }
                 for link in self.links
             ],
@@ -395,19 +428,91 @@ class WorkerProc:
             )
         )
 
-    def _emit(self, frames: list[Any], link: _DriverLink, force_queue: bool = False) -> None:
-        # Replies are matched by id, so the fast path may overtake a queued message without harm.
-        if not force_queue and self._outbox.empty() and self._send_lock.acquire(blocking=False):
+    def _emit(self, frames: list[Any], link: _DriverLink) -> None:
+        """Send ``frames`` to ``link``'s driver, or hold them in its backlog; never waits (any thread). When
+        the send lock is taken, the message goes to the outbox, which the lock's next holder empties first."""
+        if not self._send_lock.acquire(blocking=False):
+            self._outbox.put((link, frames))
+            self._wake.set()
+            return
+        try:
+            self._drain_outbox()
+            self._offer(link, frames)
+            held = bool(link.backlog)
+        finally:
+            self._send_lock.release()
+        if held:
+            self._wake.set()
+
+    def _drain_outbox(self) -> None:
+        """Offer the outbox's messages, oldest first (under the send lock)."""
+        while not self._outbox.empty():
             try:
-                if link.closed:
-                    return
-                link.response.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                link, frames = self._outbox.get_nowait()
+            except queue.Empty:
                 return
+            self._offer(link, frames)
+
+    def _not_reading(self, link: _DriverLink, now: float) -> bool:
+        stalled = link.stalled_since is not None and now - link.stalled_since > self._driver_timeout_s
+        return link.lost or stalled
+
+    def _offer(self, link: _DriverLink, frames: list[Any]) -> None:
+        """Send without waiting, behind the link's backlog; no room: into the backlog, unless the driver is
+        lost or took nothing for the driver timeout, or the backlog is full: then the message is dropped
+        (under the send lock)."""
+        if link.closed:
+            return
+        now = time.monotonic()
+        if not link.backlog:
+            try:
+                link.response.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                pass
-            finally:
-                self._send_lock.release()
-        self._outbox.put((link, frames))
+                if link.stalled_since is None:
+                    link.stalled_since = now
+            else:
+                self._took(link)
+                return
+        if len(link.backlog) >= MAX_BACKLOG or self._not_reading(link, now):
+            self._drop(link, 1)
+            return
+        link.backlog.append(frames)
+
+    def _flush(self, link: _DriverLink) -> None:
+        """Send what the link's backlog holds while its socket has room; drop it all when the driver is lost
+        or took nothing for the driver timeout (under the send lock)."""
+        if link.closed:
+            link.backlog.clear()
+            return
+        while link.backlog:
+            try:
+                link.response.send_multipart(link.backlog[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if link.stalled_since is None:
+                    link.stalled_since = time.monotonic()
+                break
+            link.backlog.popleft()
+            self._took(link)
+        if link.backlog and self._not_reading(link, time.monotonic()):
+            self._drop(link, len(link.backlog))
+            link.backlog.clear()
+
+    def _took(self, link: _DriverLink) -> None:
+        link.stalled_since = None
+        if link.dropping:
+            link.dropping = False
+            log.info("driver on %s takes messages again (%d dropped so far)", link.endpoints[0], link.dropped)
+
+    def _drop(self, link: _DriverLink, count: int) -> None:
+        link.dropped += count
+        self.metrics.dropped.inc(count)
+        if not link.dropping:
+            link.dropping = True
+            log.warning(
+                "driver on %s is %s; dropping messages to it until it takes them again",
+                link.endpoints[0],
+                "lost" if link.lost else f"taking nothing for over {self._driver_timeout_s:.1f} s",
+            )
 
     def _emit_reply(self, frames: list[Any], link: _DriverLink) -> None:
         """A reply: through the reply FIFO when there is one and the reply is one small frame (replies are
@@ -460,58 +565,71 @@ class WorkerProc:
                 log.exception("cancelling the lost driver's generation requests failed")
 
     def _output_loop(self) -> None:
+        """Heartbeats, and the messages their senders could not hand over at once: outbox and backlogs. Every
+        send is non-blocking, so no link waits for another."""
         interval = self.config.heartbeat_interval_s
         next_beat = time.monotonic() + interval
         while True:
-            try:
-                item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
-            except queue.Empty:
+            wait = next_beat - time.monotonic()
+            if any(link.backlog for link in self.links):
+                wait = min(wait, BACKLOG_RETRY_S)
+            self._wake.wait(max(0.0, wait))
+            self._wake.clear()  # before the outbox is read: a message put after this wakes the next turn
+            closing = self._output_closing
+            with self._send_lock:
+                self._drain_outbox()
+                for link in self.links:
+                    self._flush(link)
+            if closing:
+                self._flush_before_close()
+                return
+            if time.monotonic() >= next_beat:
                 beat = self._hello("heartbeat")
                 next_beat = time.monotonic() + interval
                 for link in self.links:
                     self._watch_driver(link)
-                    self._send_blocking(link, beat)
-                continue
-            if item is None:
-                return
-            self._send_blocking(*item)
+                with self._send_lock:
+                    for link in self.links:
+                        self._offer(link, beat)
+
+    def _flush_before_close(self) -> None:
+        """Give the backlogs (the goodbyes among them) up to ``CLOSE_FLUSH_S`` to go out."""
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        while time.monotonic() < deadline:
+            with self._send_lock:
+                self._drain_outbox()
+                for link in self.links:
+                    self._flush(link)
+                if not any(link.backlog for link in self.links):
+                    return
+            time.sleep(BACKLOG_RETRY_S)
 
     def _watch_driver(self, link: _DriverLink) -> None:
-        """Log a driver's loss (no ping for the heartbeat timeout) and its return (a ping again); the model
-        stays loaded either way. Runs on the output thread once per heartbeat."""
-        last = link.last_ping
-        if last is None:
-            return  # no driver has reached this worker on this link yet
+        """Log a driver's loss (no ping for the driver timeout; counted from the link's opening while none
+        ever came) and its return (a ping again); the model stays loaded either way. Runs on the output thread
+        once per heartbeat."""
+        last = link.last_ping if link.last_ping is not None else link.opened_at
         silent = time.monotonic() - last
         if not link.lost and silent > self._driver_timeout_s:
             link.lost = True
-            log.warning(
-                "driver lost: no ping for %.1f s on %s; keeping the model loaded and waiting for a driver there",
-                silent,
-                link.endpoints[0],
-            )
+            if link.last_ping is None:
+                log.warning(
+                    "no driver has reached this worker on %s in %.1f s; counting it as lost (messages that "
+                    "find no room there are dropped) until one pings",
+                    link.endpoints[0],
+                    silent,
+                )
+            else:
+                log.warning(
+                    "driver lost: no ping for %.1f s on %s; keeping the model loaded and waiting for a driver "
+                    "there",
+                    silent,
+                    link.endpoints[0],
+                )
             self._cancel_streams_of(link)
-        elif link.lost and silent <= self._driver_timeout_s:
+        elif link.lost and link.last_ping is not None and silent <= self._driver_timeout_s:
             link.lost = False
             log.info("driver reached this worker again on %s; serving it", link.endpoints[0])
-
-    def _send_blocking(self, link: _DriverLink, frames: list[Any]) -> None:
-        """Send, waiting while the link's queue is full; a driver that takes nothing for the heartbeat
-        timeout (gone, or never there) loses the message rather than holding up the other links."""
-        give_up = time.monotonic() + self._driver_timeout_s
-        while True:
-            with self._send_lock:
-                if link.closed:
-                    return
-                try:
-                    link.response.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    pass
-            if self._output_closing or link.lost or time.monotonic() > give_up:
-                log.warning("driver on %s not accepting messages; dropping one", link.endpoints[0])
-                return
-            time.sleep(0.005)
 
     # -- driver links ----------------------------------------------------------------------------------
 
@@ -532,6 +650,7 @@ class WorkerProc:
                 log.info("driver at %s is no longer named; closing its link", link.endpoints[0])
                 with self._send_lock:
                     link.closed = True
+                    link.backlog.clear()
                     link.rpc.close(linger=0)
                     link.response.close(linger=0)
                 self._cancel_streams_of(link)
@@ -539,7 +658,7 @@ class WorkerProc:
         added = [self._open_link(pair) for pair in wanted if pair not in known]
         self.links = kept + added
         for link in added:
-            self._emit(self._hello("hello"), link, force_queue=True)
+            self._emit(self._hello("hello"), link)
         return self.links
 
     def _open_link(self, endpoints: tuple[str, str]) -> _DriverLink:
@@ -772,13 +891,9 @@ class WorkerProc:
         self._stopping.set()
         links = self.links
         for link in links:
-            self._emit(
-                protocol.encode_goodbye(self.replica, self.rank, reason, link.last_call),
-                link,
-                force_queue=True,
-            )
+            self._emit(protocol.encode_goodbye(self.replica, self.rank, reason, link.last_call), link)
         self._output_closing = True
-        self._outbox.put(None)
+        self._wake.set()
         self._output_thread.join(timeout=5)
         if self.ring is not None:
             self.ring.close()
