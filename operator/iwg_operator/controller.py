@@ -28,7 +28,17 @@ import zmq
 
 from iwg_operator import builders, drift, labels, metrics, planning, status
 from iwg_operator.api import v1alpha1 as api
-from iwg_operator.builders.common import secret_name, stable_hash
+from iwg_operator.builders.common import (
+    config_map_name,
+    driver_name,
+    driver_pdb_name,
+    drivers_service_name,
+    headless_service_name,
+    network_policy_name,
+    pdb_name,
+    secret_name,
+    stable_hash,
+)
 from iwg_operator.builders.workers import name_group_fields
 from iwg_operator.driver_admin import DrainError, NoReadyDriver, drain_group_replicas
 from iwg_operator.health.policy import avoid_nodes, current_avoided
@@ -107,6 +117,10 @@ class GroupState:
     # (plural, name) -> (desired spec hash, fingerprint): what an apply left that still differs from the manifest
     # (another manager's item in a list the operator sets); not written again while it stays so.
     accepted_drift: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    # (plural, name) -> (generation, digest of labels, annotations, owners) of the child last found in sync: a
+    # later event with the same ones is a status update (Deployments and PDBs get many) and is not compared.
+    seen_in_sync: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
+    hashed: tuple[builders.Group, str] | None = None  # the children hash of a group object, computed once
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -243,16 +257,21 @@ class Controller:
         if deleted:
             if plural == SECRETS.plural:
                 state.lost_secret = dict(body.get("data") or {})
-        elif state.children_hash != self._children_hash(group) or plural == SECRETS.plural:
+        elif state.children_hash != self._children_hash(state, group) or plural == SECRETS.plural:
             return  # a pass applying this spec is due and looks at every child anyway; the Secret is immutable
         else:
             name = str(body.get("metadata", {}).get("name"))
+            seen = drift.metadata_digest(body)
+            if seen is not None and state.seen_in_sync.get((plural, name)) == seen:
+                return  # the same spec and metadata as last time: a status update
             desired = self._desired_child(group, plural, name)
             if desired is None:
                 return
             accepted = state.accepted_drift.get((plural, name))
             digest = desired["metadata"]["annotations"][labels.SPEC_HASH]
             if drift.in_sync(desired, body, accepted[1] if accepted and accepted[0] == digest else None):
+                if seen is not None:
+                    state.seen_in_sync[(plural, name)] = seen
                 return
         log.info("%s/%s: %s %s %s; repairing", *key, plural, body.get("metadata", {}).get("name"),
                  "deleted" if deleted else "edited")  # fmt: skip
@@ -261,15 +280,34 @@ class Controller:
 
     def _desired_child(self, group: builders.Group, plural: str, name: str) -> builders.Manifest | None:
         """The builders' manifest of one supporting object (built on demand: none is kept in memory)."""
-        for resource, manifest in self._support_children(group):
-            if resource.plural == plural and manifest["metadata"]["name"] == name:
-                return manifest
-        return None
+        g, settings = group, self.settings
+        build: dict[tuple[str, str], Callable[[], builders.Manifest]] = {
+            (NETWORK_POLICIES.plural, network_policy_name(g.name)): lambda: builders.network_policy(
+                g, settings
+            ),
+            (NETWORK_POLICIES.plural, driver_name(g.name)): lambda: builders.driver_network_policy(
+                g, settings
+            ),
+            (CONFIG_MAPS.plural, config_map_name(g.name)): lambda: builders.config_map(g, settings),
+            (SERVICES.plural, headless_service_name(g.name)): lambda: builders.headless_service(g),
+            (SERVICES.plural, driver_name(g.name)): lambda: builders.driver_service(g),
+            (SERVICES.plural, drivers_service_name(g.name)): lambda: builders.drivers_service(g),
+            (DEPLOYMENTS.plural, driver_name(g.name)): lambda: builders.driver_deployment(g),
+            (POD_DISRUPTION_BUDGETS.plural, pdb_name(g.name)): lambda: builders.pod_disruption_budget(g),
+            (POD_DISRUPTION_BUDGETS.plural, driver_pdb_name(g.name)): lambda: (
+                builders.driver_disruption_budget(g)
+            ),
+        }
+        make = build.get((plural, name))
+        return None if make is None else make()
 
-    def _children_hash(self, group: builders.Group) -> str:
-        return stable_hash(
-            {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
-        )
+    def _children_hash(self, state: GroupState, group: builders.Group) -> str:
+        if state.hashed is None or state.hashed[0] is not group:
+            digest = stable_hash(
+                {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+            )
+            state.hashed = (group, digest)
+        return state.hashed[1]
 
     def _support_children(self, group: builders.Group) -> list[tuple[Resource, builders.Manifest]]:
         return [
@@ -353,7 +391,7 @@ class Controller:
         """
         group = state.group
         assert group is not None
-        children_hash = self._children_hash(group)
+        children_hash = self._children_hash(state, group)
         # Unchanged spec and no child deleted or edited: no child is even looked at.
         repairs = state.repairs_due
         children_due = state.children_hash != children_hash or repairs != state.repairs_done

@@ -93,6 +93,18 @@ def owned_by(body: Mapping[str, Any], uid: str) -> bool:
     return any(owner.get("uid") == uid for owner in owners)
 
 
+def metadata_digest(body: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(generation, digest of uid, labels, annotations, owners) of an object whose spec edits bump its generation
+    (Deployment, PDB, NetworkPolicy); None for one without a generation (Service, ConfigMap, Secret)."""
+    metadata = body.get("metadata") or {}
+    generation = metadata.get("generation")
+    if not generation:
+        return None
+    shown = [metadata.get(k) for k in ("uid", "labels", "annotations", "ownerReferences")]
+    text = json.dumps(shown, sort_keys=True, separators=(",", ":"))
+    return int(generation), hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def in_sync(desired: Mapping[str, Any], observed: Mapping[str, Any], accepted: str | None = None) -> bool:
     """Nothing to write: the object carries the fields the operator sets, or it is exactly as the last apply
     left it (`accepted`, a fingerprint)."""

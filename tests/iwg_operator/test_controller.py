@@ -176,6 +176,14 @@ async def test_a_child_deleted_or_edited_by_hand_is_repaired_alone_and_the_secre
     kube.calls.clear()
     await ctl.reconcile(state)
     assert kube.calls == [], "repaired: nothing more"
+    # A Deployment's status updates are not compared again once it was found in sync; a spec edit is.
+    deployment = copy.deepcopy(kube.objects[("deployments", "g-driver")])
+    deployment["metadata"]["generation"] = 1
+    ctl.child_changed(state.key, "deployments", deployment, deleted=False)
+    assert state.seen_in_sync and state.repairs_due == 3
+    deployment["metadata"]["generation"], deployment["spec"]["replicas"] = 2, 5
+    ctl.child_changed(state.key, "deployments", deployment, deleted=False)
+    assert state.repairs_due == 4
 
 
 async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret() -> None:

@@ -75,3 +75,18 @@ def test_the_repair_patch_puts_back_lists_whole_and_selectors_exact_and_keeps_ot
     assert "clusterIP" not in patch["spec"], "fields the operator does not set stay"
     assert "team" not in patch["metadata"]["labels"], "other labels stay"
     assert "ownerReferences" not in patch["metadata"]
+
+
+def test_status_updates_keep_the_metadata_digest_and_edits_change_it() -> None:
+    group = group_from_body(body(replicas=1))
+    deployment = served(builders.driver_deployment(group))
+    assert drift.metadata_digest(deployment) is None, "no generation: always compared"
+    deployment["metadata"]["generation"] = 1
+    seen = drift.metadata_digest(deployment)
+    deployment["status"] = {"replicas": 1, "readyReplicas": 1}
+    assert drift.metadata_digest(deployment) == seen
+    deployment["metadata"]["generation"] = 2  # a spec edit
+    assert drift.metadata_digest(deployment) != seen
+    deployment["metadata"]["generation"] = 1
+    deployment["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "someone"
+    assert drift.metadata_digest(deployment) != seen
