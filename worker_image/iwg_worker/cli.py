@@ -6,6 +6,10 @@ driver (HTTP, batching, routing) and `replicas x worldSize` `iwg-worker` process
 `MultiprocExecutor` and reached through its shared-memory ring and ZMQ ipc; a replica that loses a worker
 is restarted after ``spec.health``'s backoff. With ``--executor ray`` the ranks are Ray actors instead
 (`RayExecutor`, the ``ray`` extra), on a local Ray or the cluster at ``--ray-address``.
+
+SIGTERM, SIGINT and SIGHUP stop it cleanly, at any point: the workers stop and the shared-memory ring and the
+private directory are removed. Killed with SIGKILL, its workers end by themselves (`parent_watch`) and the
+next ``iwg serve`` on the machine removes what it left (`executor.leftovers`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class _Stop(Exception):
     pass
 
@@ -104,28 +111,35 @@ def serve(args: argparse.Namespace) -> int:
     if token is None:
         return 2
 
-    # A signal during the (long) worker start-up unwinds through MultiprocExecutor, which stops its workers.
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # A signal during the (long) worker start-up unwinds through MultiprocExecutor, which stops its workers;
+    # one after it, through the executor's shutdown below. While HTTP serves, the driver's loop takes them.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
     try:
-        executor = _start_workers(group, str(model_path), replicas, args)
-    except _Stop as stop:
-        print(f"iwg serve: stopped by {stop} during start-up", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        print(f"iwg serve: the workers did not start: {exc}", file=sys.stderr)
-        return 1
+        try:
+            executor = _start_workers(group, str(model_path), replicas, args)
+        except _Stop as stop:
+            print(f"iwg serve: stopped by {stop} during start-up", file=sys.stderr)
+            return 130
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            print(f"iwg serve: the workers did not start: {exc}", file=sys.stderr)
+            return 1
+        try:
+            engine = (
+                _engine_words(executor, replicas, group.spec.model.engine)
+                if group.spec.model.task == "generate"
+                else None
+            )
+            asyncio.run(_serve_http(group, executor, replicas, token, args, engine))
+        except _Stop as stop:
+            print(f"iwg serve: stopped by {stop}", file=sys.stderr)
+        finally:
+            # Ignore further signals until the workers are stopped and the ring and directory removed.
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            executor.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    try:
-        engine = (
-            _engine_words(executor, replicas, group.spec.model.engine)
-            if group.spec.model.task == "generate"
-            else None
-        )
-        asyncio.run(_serve_http(group, executor, replicas, token, args, engine))
-    finally:
-        executor.shutdown()
     print("iwg serve: stopped", file=sys.stderr)
     return 0
 
@@ -285,7 +299,7 @@ async def _serve_http(
         if args.admin_token_file is None:
             print(f"iwg serve: admin token (Authorization: Bearer): {token}", file=sys.stderr, flush=True)
 
-    await run_driver(driver, args.host, port, token, on_listening=listening)
+    await run_driver(driver, args.host, port, token, on_listening=listening, signals=STOP_SIGNALS)
 
 
 def main(argv: list[str] | None = None) -> int:

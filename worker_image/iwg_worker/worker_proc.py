@@ -9,7 +9,8 @@ when that FIFO has room. A reply is sent straight from the busy loop only when t
 queued, a non-blocking send succeeds); otherwise the output thread sends it, so sending never holds up the
 next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
-finishes, a goodbye is sent, the process exits 0.
+finishes, a goodbye is sent, the process exits 0. A worker that a local executor started (``IWG_PARENT_PID``)
+stops the same way when that parent dies (`parent_watch`).
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
 resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
@@ -57,7 +58,7 @@ from iwg_operator.api import wiring
 from iwg_operator.api.v1alpha1 import resolve_model_path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from iwg_worker import protocol
+from iwg_worker import parent_watch, protocol
 from iwg_worker.executor import reply_pipe, shm_ring
 from iwg_worker.health_server import HealthServer
 from iwg_worker.method_registry import UnknownMethodError
@@ -941,6 +942,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(wiring.TORCH_WORLD_SIZE, str(config.worker.world_size))
     stop_early = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_early.set())
+    parent = parent_watch.expected_parent()
+    if parent is not None:  # started by a local executor (iwg serve): end with it, as on SIGTERM
+        parent_watch.ParentWatch(parent, on_orphaned=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     try:
         proc = WorkerProc(config)
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""Run a driver: HTTP server up, wait for SIGTERM/SIGINT, then stop taking requests, finish the admitted
+"""Run a driver: HTTP server up, wait for SIGTERM/SIGINT (and SIGHUP under `iwg serve`), then stop taking requests, finish the admitted
 ones, and close the pool. Shared by `iwg-driver` (in a pod) and `iwg serve` (on one machine).
 
 From the signal on, every answer says `Connection: close`, so a client that keeps sending moves to a new
@@ -35,11 +35,12 @@ async def run_driver(
     on_listening: Callable[[int], Awaitable[None] | None] | None = None,
     drain_timeout_s: float = wiring.DRIVER_DRAIN_S,
     lame_duck_s: float = 0.0,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
 ) -> None:
-    """Serve until `stop` is set or SIGTERM/SIGINT arrives; `on_listening(port)` runs once HTTP is bound."""
+    """Serve until `stop` is set or one of ``signals`` arrives; `on_listening(port)` runs once HTTP is bound."""
     stopping = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stopping.set)
     driver.start()
@@ -77,7 +78,7 @@ async def run_driver(
             await asyncio.wait_for(runner.cleanup(), drain_timeout_s)
         await driver.stop()
         await driver.pool.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
 

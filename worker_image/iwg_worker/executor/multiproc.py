@@ -9,6 +9,10 @@ calls too large for a ring chunk go over the ipc sockets of `RemoteExecutor`.
 Besides heartbeats, the executor watches its processes: a worker that exits makes its replica leave at once.
 After start-up, a replica that lost a rank is restarted, all its ranks (a torch.distributed group cannot
 take a new member), after a backoff that doubles with each failure in a row.
+
+The workers end with the executor's process, however it ends (`parent_watch`); its private directory and
+ring go at `shutdown`, and what a killed run left behind is swept when the next executor starts
+(`leftovers`).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from typing import Any, Literal
 
 from iwg_operator.api import wiring
 
-from iwg_worker import protocol
-from iwg_worker.executor import shm_ring
+from iwg_worker import parent_watch, protocol
+from iwg_worker.executor import leftovers, shm_ring
 from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.remote import RemoteExecutor
 from iwg_worker.executor.reply_pipe import ReplyPipeReader
@@ -122,8 +126,9 @@ def _visible_gpus() -> int:
 
 
 def launch_worker(env: dict[str, str], log_path: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start ``iwg-worker`` (as ``python -m iwg_worker.worker_proc``) with the contract env on top of ours."""
-    full_env = {**os.environ, **env}
+    """Start ``iwg-worker`` (as ``python -m iwg_worker.worker_proc``) with the contract env on top of ours. The
+    worker ends with this process (`parent_watch`)."""
+    full_env = {**os.environ, **env, parent_watch.ENV: str(os.getpid())}
     stderr = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - handed to the child
     try:
         return subprocess.Popen(
@@ -184,7 +189,10 @@ class MultiprocExecutor(RemoteExecutor):
         cores than workers, else 0). ``restart``: after start-up, a replica that lost a rank is
         restarted after ``restart_backoff_s``, doubled with each failure in a row up to
         ``restart_backoff_max_s`` (a replica that ran that long before failing starts from the base again)."""
-        self._dir = Path(tempfile.mkdtemp(prefix="iwg-"))
+        # What dead runs (a SIGKILLed `iwg serve`) left: their private directories and rings. Then our own,
+        # named after this process and locked while it lives (`leftovers`).
+        leftovers.sweep([tempfile.gettempdir(), shm_ring._shm_dir()])
+        self._dir, self._dir_lock = leftovers.make_dir()
         self._config = config
         self._worker_cls = worker_cls
         self._worker_extension_cls = worker_extension_cls
@@ -402,6 +410,9 @@ class MultiprocExecutor(RemoteExecutor):
         if self._reply_pipe is not None:
             self._reply_pipe.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir_lock >= 0:
+            os.close(self._dir_lock)
+            self._dir_lock = -1
 
 
 _TICK_S = 0.02

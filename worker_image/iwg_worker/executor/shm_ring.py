@@ -66,6 +66,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from iwg_worker.executor import leftovers
+
 log = logging.getLogger(__name__)
 
 MAGIC: Final = int.from_bytes(b"IWGRING1", "little")
@@ -192,17 +194,19 @@ class RingWriter:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.layout = layout = RingLayout(n_chunks, chunk_bytes, n_readers)
-        fd, path = tempfile.mkstemp(prefix="iwg-ring-", dir=_shm_dir())  # mode 0600
+        # Mode 0600, named after this process and locked while it lives: a later executor's sweep removes it
+        # if this process dies without closing it (`leftovers`).
+        fd, path = leftovers.create_file(_shm_dir(), leftovers.RING_PREFIX)
         self.path = path
+        self._lock_fd = fd
         try:
             # Allocate it all now: a tmpfs that is too small fails here (ENOSPC), not with SIGBUS on a write.
             os.posix_fallocate(fd, 0, layout.size)
             self._mmap = mmap.mmap(fd, layout.size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
+            raise
         self._words = memoryview(self._mmap).cast("B").cast("Q")
         self._bytes = memoryview(self._mmap)
         for i, value in enumerate((MAGIC, VERSION, n_chunks, chunk_bytes, n_readers)):
@@ -340,6 +344,9 @@ class RingWriter:
         for fd in self._wake_fds:
             os.close(fd)
         self._wake_fds = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         self._words.release()
         self._bytes.release()
         with contextlib.suppress(BufferError):  # a view of it still alive here: it goes with the process
