@@ -2,7 +2,8 @@
 
 The handlers start it for every accepted group and stop it when the group goes. It reads what the reconciler
 knows (spec, pods from the index, the latest status) and acts only through deletes of failed pods, the
-group's spec.replicas, its status counters, engine and conditions, and Events.
+group's spec.replicas, its status counters, engine and conditions, and Events. Probes, scrapes and drains each
+have their own connection pool (iwg_operator.pod_http), so none of them waits for another's connections.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
-
 from iwg_operator import metrics, status
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
 from iwg_operator.driver_admin import DriverPod, admin_token, drain_in_drivers, driver_addresses
 from iwg_operator.health.policy import avoid_after_fault, current_avoided
-from iwg_operator.health.prober import RESTART_BUDGET_EXHAUSTED, GroupProber, describe
+from iwg_operator.health.prober import (
+    RESTART_BUDGET_EXHAUSTED,
+    GroupProber,
+    describe,
+    restarts_from_status,
+)
 from iwg_operator.kube import GROUPS, PODS
+from iwg_operator.pod_http import PodClients
 
 log = logging.getLogger("iwg_operator.supervisor")
 
@@ -37,12 +42,7 @@ class Supervisor:
         self.controller = controller
         self.autoscale_interval = float(os.environ.get(ENV_AUTOSCALE_INTERVAL, DEFAULT_AUTOSCALE_INTERVAL_S))
         self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
-        self._http: aiohttp.ClientSession | None = None
-
-    def http(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
-        return self._http
+        self.clients = PodClients()
 
     def watch(self, key: GroupKey) -> None:
         task = self._tasks.get(key)
@@ -62,15 +62,19 @@ class Supervisor:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._http is not None:
-            await self._http.close()
+        await self.clients.close()
 
     # ------------------------------------------------------------------ the loop
 
     async def _run(self, key: GroupKey) -> None:
         state = self.controller.groups.get(key)
-        restarts = int(((state.current_status if state else {}) or {}).get("restartCount") or 0)
-        prober, scaler = GroupProber(restart_count=restarts), GroupScaler()
+        known = (state.current_status if state else {}) or {}
+        # The restart budget and backoff go on where the previous operator left them (status.recentRestarts).
+        prober = GroupProber(
+            restart_count=int(known.get("restartCount") or 0),
+            restarts=restarts_from_status(known.get("recentRestarts")),
+        )
+        scaler = GroupScaler()
         next_probe = next_scale = time.monotonic()
         while True:
             state = self.controller.groups.get(key)
@@ -100,7 +104,7 @@ class Supervisor:
         assert group is not None
         spec = group.spec
         pods = self.controller.observed(state.key)
-        result = await prober.round(self.http(), pods, spec.health, spec.world_size)
+        result = await prober.round(self.clients.probes, pods, spec.health, spec.world_size)
         for replacement in result.replacements:
             message = describe(replacement, spec.world_size)
             log.info("%s/%s: %s", *state.key, message)
@@ -145,6 +149,10 @@ class Supervisor:
             {"restartCount": prober.restart_count} if prober.restart_count != counted else {}
         )
         fields["engine"] = result.engine  # None removes it (a merge patch); written only when it changed
+        # Written only when it changed: a replacement, or one leaving the window (an empty list stays absent).
+        recent = prober.recent_restarts(spec.health.restart_window_seconds)
+        if recent or state.current_status.get("recentRestarts"):
+            fields["recentRestarts"] = recent
         listed = state.current_status.get("avoidedNodes") or []
         unexpired = current_avoided(listed, now_rfc3339())
         if len(unexpired) != len(listed):
@@ -162,7 +170,7 @@ class Supervisor:
         sample, error = None, "no driver is ready"
         if drivers:
             try:
-                sample = await scaler.scrape(self.http(), drivers, spec.driver.port)
+                sample = await scaler.scrape(self.clients.scrapes, drivers, spec.driver.port)
             except Exception as scrape_error:
                 error = str(scrape_error)
         decision = scaler.decide(sample, error, current, spec.autoscaling)
@@ -195,7 +203,7 @@ class Supervisor:
             try:
                 token = await admin_token(self.controller.kube, group.namespace, group.name)
                 await drain_in_drivers(
-                    self.http(),
+                    self.clients.drains,
                     drivers,
                     group.spec.driver.port,
                     token,

@@ -1011,6 +1011,13 @@ class AvoidedNode(ApiModel):
     )
 
 
+class RecentRestart(ApiModel):
+    """A replacement by the health prober that the restart budget still counts."""
+
+    time: str = Field(description="When the pod or replica was replaced (RFC 3339).")
+    replica: int = Field(ge=0, description="The replica replaced (or whose pod was).")
+
+
 class InferenceWorkerGroupStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -1032,6 +1039,13 @@ class InferenceWorkerGroupStatus(ApiModel):
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ...")
     restart_count: int | None = Field(
         default=None, ge=0, description="Pods or replicas replaced by the prober."
+    )
+    recent_restarts: list[RecentRestart] = Field(
+        default_factory=list,
+        description=(
+            "The prober's replacements within spec.health.restartWindowSeconds (the newest 128), oldest first: "
+            "the restart budget and each replica's backoff count them, also after an operator restart."
+        ),
     )
     scale_count: int | None = Field(default=None, ge=0, description="Times the autoscaler changed replicas.")
     last_scale_time: str | None = Field(

@@ -1,6 +1,7 @@
 """The autoscaler of one group: scrapes every ready driver's /metrics, combines them, recommends with the HPA
 formula, stabilizes, and writes `spec.replicas` of the group. Scale-down drains the leaving replicas in every
-driver first (iwg_operator.driver_admin).
+driver first (iwg_operator.driver_admin). A /metrics page is read up to `pod_http.METRICS_BODY_LIMIT`: a
+longer one makes that scrape unusable.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from iwg_operator.autoscaling.policy import (
     stabilize,
 )
 from iwg_operator.driver_admin import DriverPod
+from iwg_operator.pod_http import METRICS_BODY_LIMIT, read_bounded
 
 log = logging.getLogger("iwg_operator.autoscaling")
 
@@ -107,4 +109,5 @@ async def _scrape_one(http: aiohttp.ClientSession, url: str) -> DriverSample:
     async with http.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
         if response.status != 200:
             raise MetricsError(f"HTTP {response.status}")
-        return parse_driver_metrics(await response.text(), time.monotonic())
+        body = await read_bounded(response, METRICS_BODY_LIMIT)  # BodyTooLarge names the limit
+        return parse_driver_metrics(body.decode("utf-8", "replace"), time.monotonic())

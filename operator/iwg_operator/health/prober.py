@@ -3,7 +3,10 @@ timeout), counts consecutive failures, and replaces the pod or its whole replica
 
 It only deletes: the reconciler recreates what is missing, away from a node whose device failed
 (`status.avoidedNodes`, which the supervisor writes). Every replacement is an Event and counts in status.restartCount; a spent
-budget is the condition RestartBudgetExhausted.
+budget is the condition RestartBudgetExhausted. The replacements within the budget's window are kept in
+`status.recentRestarts` (time and replica), so an operator restart neither forgets the budget nor the backoff.
+
+A worker's answer is read up to `pod_http.HEALTH_BODY_LIMIT`: a longer one fails the check.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
 
 import aiohttp
 
@@ -22,19 +27,22 @@ from iwg_operator.api.v1alpha1 import HealthSpec
 from iwg_operator.health.policy import (
     PodHealth,
     ProbeOutcome,
-    group_engine,
-    shown_engine,
     judge_health_response,
     observe,
     pods_to_replace,
     restart_decision,
+    shown_engine,
 )
 from iwg_operator.planning import ObservedPod
+from iwg_operator.pod_http import HEALTH_BODY_LIMIT, BodyTooLarge, read_bounded
 
 log = logging.getLogger("iwg_operator.health")
 
 RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
 UNSUPERVISED_PROBE_EVERY = 3
+# Newest replacements kept in status.recentRestarts: with maxRestarts above it, a restarted operator counts at
+# most this many of the window's replacements against the budget.
+MAX_RECENT_RESTARTS = 128
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,16 @@ async def probe_worker(
     url = f"http://{pod.ip}:{port}/healthz"
     try:
         async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-            text = await response.text()
+            body = await read_bounded(response, HEALTH_BODY_LIMIT)
             try:
-                report = json.loads(text)
+                report = json.loads(body)
             except ValueError:
                 report = None
             return judge_health_response(
                 response.status, report if isinstance(report, Mapping) else None, None
             )
+    except BodyTooLarge as error:
+        return judge_health_response(None, None, f"health answer not read: {error}")
     except TimeoutError:
         return judge_health_response(None, None, f"no health answer within {timeout_s:g}s")
     except (aiohttp.ClientError, OSError) as error:
@@ -77,12 +87,30 @@ async def probe_worker(
 
 
 class GroupProber:
-    def __init__(self, restart_count: int = 0) -> None:
+    def __init__(self, restart_count: int = 0, restarts: Iterable[tuple[float, int]] = ()) -> None:
+        """`restarts`: earlier replacements as (time.monotonic() time, replica), see `restarts_from_status`."""
         self.pods: dict[str, PodHealth] = {}
         self.group_restarts: list[float] = []
         self.replica_restarts: dict[int, list[float]] = {}
+        for at, replica in sorted(restarts):
+            self.group_restarts.append(at)
+            self.replica_restarts.setdefault(replica, []).append(at)
         self.restart_count = restart_count
         self.engine: str | None = None  # status.engine as last reported
+
+    def recent_restarts(self, window_s: float) -> list[dict[str, Any]]:
+        """status.recentRestarts: the replacements of the last `window_s`, oldest first, at most
+        MAX_RECENT_RESTARTS (the newest). Older ones leave memory too: the budget no longer counts them."""
+        now, wall = time.monotonic(), time.time()
+        self.group_restarts = [t for t in self.group_restarts if now - t < window_s]
+        for replica in list(self.replica_restarts):
+            kept = [t for t in self.replica_restarts[replica] if now - t < window_s]
+            if kept:
+                self.replica_restarts[replica] = kept
+            else:
+                del self.replica_restarts[replica]
+        entries = sorted((t, r) for r, times in self.replica_restarts.items() for t in times)
+        return [{"time": _rfc3339(wall - (now - t)), "replica": r} for t, r in entries[-MAX_RECENT_RESTARTS:]]
 
     async def round(
         self, http: aiohttp.ClientSession, pods: Sequence[ObservedPod], spec: HealthSpec, world_size: int
@@ -141,6 +169,23 @@ class GroupProber:
                 self.pods.pop(member.uid, None)
         self.engine = result.engine = shown_engine(self.engine, self.pods.values())
         return result
+
+
+def restarts_from_status(entries: object) -> list[tuple[float, int]]:
+    """status.recentRestarts as (time.monotonic() time, replica); entries that do not parse are left out."""
+    now, wall = time.monotonic(), time.time()
+    found = []
+    for entry in entries if isinstance(entries, list) else ():
+        try:
+            at = datetime.fromisoformat(str(entry["time"]).replace("Z", "+00:00")).timestamp()
+            found.append((now - max(0.0, wall - at), int(entry["replica"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def _rfc3339(wall: float) -> str:
+    return datetime.fromtimestamp(wall, UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def describe(replacement: Replacement, world_size: int) -> str:
