@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import aiohttp
 import zmq
 
-from iwg_operator import builders, drift, labels, metrics, planning, status
+from iwg_operator import builders, drift, labels, metrics, planning, pod_http, status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.builders.common import (
     config_map_name,
@@ -340,9 +340,10 @@ class Controller:
         await self.kube.close()
 
     def http(self) -> aiohttp.ClientSession:
-        """The session for calls to the groups' drivers (draining replicas before a scale-down)."""
+        """The session for calls to the groups' drivers (draining replicas before a scale-down): a pool of its
+        own without a connection limit (pod_http.session), so a large scale-down's drains never queue."""
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
+            self._http = pod_http.session()
         return self._http
 
     # ------------------------------------------------------------------ the loop
