@@ -21,7 +21,7 @@ to ready), warmed with one short request (16 tokens not in any level's prompts, 
 every level and stopped (its whole process group), so each has the machine to itself.
 
 - ``iwg-vllm``: `iwg serve` of a group with ``spec.model.engine: vllm`` (driver + one worker process whose
-  engine is vLLM's `LLMEngine` in-process), ``kvCache: {blocks: N}``;
+  engine is vLLM's `LLMEngine`, its engine core in processes of its own as in `vllm serve`), ``kvCache: {blocks: N}``;
 - ``vllm-serve``: vLLM's OpenAI server from the same environment, started as ``python -m
   vllm.entrypoints.launchers.api_server.entry`` (the module behind ``vllm serve``'s ``main``). The ``vllm``
   console script is not used: its argument parser asks `importlib.metadata.version("vllm")` and the CPU wheel's
@@ -36,7 +36,7 @@ gives every stream of the largest level its longest prompt plus outputs plus one
 one request of the model's max model len, which vLLM requires to start); the model's own max model
 len (neither is given one); prefix caching on; compiled (vLLM's default) unless ``--enforce-eager`` (``vllm
 serve --enforce-eager``; `iwg serve` gets ``IWG_ENFORCE_EAGER=1`` in its environment, which its worker
-processes inherit); seed 0; scheduler limits: iwg's in-process `LLMEngine` gets vLLM's `SchedulerConfig` defaults
+processes inherit); seed 0; scheduler limits: iwg's `LLMEngine` gets vLLM's `SchedulerConfig` defaults
 (2048 batched tokens, 128 sequences in vLLM 0.32: its per-platform serving defaults apply to the API server
 only), so `vllm serve` is given the same two explicitly (on CPU they equal its own defaults; on an H200 its
 defaults would be 8192 and 1024). On CPU both vLLM servers get every core the bench may run on: `vllm serve`
@@ -86,7 +86,7 @@ TRANSFORMERS_PAGE = 64  # the transformers engine's page size (EngineConfig.page
 # A cache given in blocks (kvCache.blocks) is blocks of the transformers engine's page size on both of iwg's
 # engines, all usable: iwg gives vLLM one more for its null block. `vllm serve` gets the same.
 VLLM_BLOCK_TOKENS = TRANSFORMERS_PAGE
-# vLLM's SchedulerConfig defaults (0.32), which iwg's in-process LLMEngine gets; given to vllm serve too.
+# vLLM's SchedulerConfig defaults (0.32), which iwg's LLMEngine gets; given to vllm serve too.
 VLLM_MAX_BATCHED_TOKENS = 2048
 VLLM_MAX_SEQS = 128
 WARM_PROMPT = list(range(1000, 1016))  # no level's prompt starts with these tokens

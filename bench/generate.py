@@ -335,7 +335,7 @@ def main() -> None:
     levels = [int(x) for x in args.streams.split(",")]
 
     import torch
-    from iwg_worker.engine.engine import render_chat
+    from iwg_worker.engine.front import render_chat
     from iwg_worker.models.loading import load_causal_lm, load_tokenizer, model_source
 
     from tests.iwg_worker.driver import conftest

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import psutil
 import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
@@ -23,6 +24,7 @@ from tests.e2e.harness import (
     group_manifest,
     live_ready_workers,
     openai_client,
+    process_of,
     signal_worker,
     wait_serving,
 )
@@ -111,6 +113,9 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
     # 3. SIGKILL the worker: the restart rules replace its pod, and the new vLLM engine answers.
     time.sleep(PERIOD * 2)  # the prober has seen the worker healthy: it supervises it
     victim = live_ready_workers(core, workspace, name)[0]
+    # vLLM's engine core and model process, which the worker spawned: they must not outlive it.
+    engine_processes = psutil.Process(process_of(victim)).children(recursive=True)
+    assert engine_processes, "the worker runs vLLM's engine in processes of its own"
     killed = time.monotonic()
     signal_worker(victim, signal.SIGKILL)
     recovery = await_replacement(core, groups, name, [victim], killed, 1, timeout=START_TIMEOUT_S)
@@ -119,6 +124,8 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
         lambda: stream_france(address), 120, "an answer from the replacement", 1.0, (Exception,)
     )
     assert "Paris" in answer
+    left = [p.pid for p in engine_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"vLLM processes of the killed worker still running: {left}"
     unhealthy = events(core, workspace, name, "WorkerUnhealthy")
     assert any(victim.metadata.name in e.message for e in unhealthy), [e.message for e in unhealthy]
     status = groups.get(name)["status"]

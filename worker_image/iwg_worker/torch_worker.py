@@ -113,7 +113,9 @@ class TorchWorker(WorkerBase):
         elif self.config.task == "generate":
             from iwg_worker.engine.choice import resolve_engine
 
-            self.engine_name = resolve_engine(self.config.engine, self.config.model_path, device.type)
+            self.engine_name = resolve_engine(
+                self.config.engine, self.config.model_path, device.type, self.config.world_size
+            )
             self.model = self._load_vllm(device) if self.engine_name == "vllm" else self._load_transformers()
             if self._stream_sink is not None:
                 self.model.set_sink(self._stream_sink)

