@@ -60,7 +60,13 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
     try:
         wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
         port = health_port(worker_log)
-        answered, failures, lost_at = asyncio.run(_embed_for(wired.url, BEATS * HEARTBEAT_S, driver_log))
+        answered, failures = asyncio.run(_embed_for(wired.url, BEATS * HEARTBEAT_S))
+        log = driver_log.read_text(errors="replace")
+        losses = log.count(" left: ")
+        print(
+            f"{BEATS} heartbeats of {HEARTBEAT_S} s: replica lost {losses} times, {len(failures)} calls failed"
+        )
+        assert losses == 0, log[-3000:]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
             links = {d["endpoint"]: d for d in json.loads(resp.read())["drivers"]}
         dropped = worker_metric(port, "iwg_worker_dropped_messages_total")
@@ -68,9 +74,6 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
             f"{BEATS} heartbeats of {HEARTBEAT_S} s with a dead second driver: {answered} calls answered, "
             f"{len(failures)} failed; the worker dropped {dropped:.0f} messages to the dead driver; links: {links}"
         )
-        log = driver_log.read_text(errors="replace")
-        assert lost_at is None, f"the healthy driver lost the replica {lost_at:.0f} s in:\n{log[-3000:]}"
-        assert " left: " not in log and "lost (" not in log, log[-3000:]
         assert not failures, failures[:5]
         assert answered > BEATS
         assert links[dead_rpc]["lost"] is True and links[dead_rpc]["connected"] is False
@@ -82,16 +85,13 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
         stop(driver, timeout=15)
 
 
-async def _embed_for(url: str, seconds: float, driver_log: Path) -> tuple[int, list[str], float | None]:
-    """Embedding calls one after another for ``seconds``: (answered, failures, when the driver first lost the
-    replica, or None)."""
+async def _embed_for(url: str, seconds: float) -> tuple[int, list[str]]:
+    """Embedding calls one after another for ``seconds``: (answered, failures)."""
     started = time.monotonic()
     answered = 0
     failures: list[str] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         while time.monotonic() - started < seconds:
-            if " left: " in driver_log.read_text(errors="replace"):
-                return answered, failures, time.monotonic() - started
             body = {"model": "minilm", "input": f"sentence {answered} about owls"}
             try:
                 async with session.post(f"{url}/v1/embeddings", json=body) as resp:
@@ -102,7 +102,7 @@ async def _embed_for(url: str, seconds: float, driver_log: Path) -> tuple[int, l
             except (aiohttp.ClientError, TimeoutError) as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(0.05)
-    return answered, failures, None
+    return answered, failures
 
 
 # -- cancelled streams -----------------------------------------------------------------------------------
