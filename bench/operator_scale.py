@@ -3,7 +3,11 @@
     python -m bench.operator_scale [--groups 250] [--quiet-seconds 60] [--gang [--repeats 3]] [--write-docs]
 
 Prints: time until all pods exist, are bound to nodes, every group reports them and every group is Running, API
-requests the operator made, its peak RSS and CPU, and API writes per minute over a quiet period afterwards.
+requests the operator made, its peak RSS and CPU, and API writes per minute over a quiet period afterwards: a
+60 s window and, with a longer --quiet-seconds, that one too, opened once every group also reports its driver's
+pod (kube-controller-manager creates those after the workers). A window with any write, Event or group change
+is listed: the operator's requests by verb, resource and code, the status fields each group watch event
+changed (`status.conditions[Ready].lastTransitionTime`), Events posted by reason, and pod events.
 Ratios against (a) Grove's published ScaleTest_1000 (1000 pods in 36.1 s) and (b) a baseline measured in
 this run: the same number of pods created directly by a plain client with as many requests in flight as the
 operator allows itself (iwg_operator.kube.MAX_IN_FLIGHT), which is the floor the
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client import ApiClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +126,140 @@ def scheduler_writes(cp: ControlPlane) -> tuple[float, float]:
     return server_requests(cp, "POST", "pods", "binding"), server_requests(cp, "PATCH", "podgroups", "status")
 
 
+def changed_fields(old: Any, new: Any, path: str) -> list[str]:
+    """The paths of the fields that differ between two versions of an object's part. Lists of objects keyed by
+    `type` (conditions) or `index` (replicaStatuses) are compared item by item (`conditions[Ready].message`),
+    so a reordering alone shows as `[order]`; other lists as a whole."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            field
+            for key in sorted(old.keys() | new.keys())
+            for field in changed_fields(old.get(key), new.get(key), f"{path}.{key}")
+        ]
+    if isinstance(old, list) and isinstance(new, list) and old != new:
+        key = next(
+            (k for k in ("type", "index") if all(isinstance(i, dict) and k in i for i in old + new)), None
+        )
+        if key is not None:
+            before = {item[key]: item for item in old}
+            after = {item[key]: item for item in new}
+            fields = [
+                field
+                for item in sorted(before.keys() | after.keys(), key=str)
+                for field in changed_fields(before.get(item), after.get(item), f"{path}[{item}]")
+            ]
+            if not fields and len(old) == len(new):
+                fields = [f"{path}[order]"]
+            return fields
+    return [] if old == new else [path]
+
+
+class QuietWatch:
+    """What changes in the bench's namespace during the quiet window, to name the writes if there are any:
+    each group's changed fields (status, spec, labels, annotations) per watch event, Events posted (by
+    reason) and pod events (by component and type). Runs in threads until stopped; `snapshot()` at any time."""
+
+    def __init__(self, k8s: ApiClient, namespace: str) -> None:
+        self.custom = client.CustomObjectsApi(k8s)
+        self.core = client.CoreV1Api(k8s)
+        self.namespace = namespace
+        self.fields: dict[str, int] = {}
+        self.group_events = 0
+        self.events: dict[str, int] = {}
+        self.pods: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        listed = self.custom.list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)
+        self._groups = {item["metadata"]["name"]: item for item in listed["items"]}
+        events_rv = self.core.list_namespaced_event(namespace, limit=1).metadata.resource_version
+        pods_rv = self.core.list_namespaced_pod(namespace, limit=1).metadata.resource_version
+        self._threads = [
+            threading.Thread(target=self._follow, args=(self._list_groups, rv, self._group), daemon=True)
+            for rv in [listed["metadata"]["resourceVersion"]]
+        ] + [
+            threading.Thread(
+                target=self._follow, args=(self.core.list_namespaced_event, events_rv, self._event)
+            ),
+            threading.Thread(target=self._follow, args=(self.core.list_namespaced_pod, pods_rv, self._pod)),
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
+
+    def _list_groups(self, namespace: str, **kwargs: Any) -> Any:
+        return self.custom.list_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, **kwargs
+        )
+
+    def _follow(
+        self, lister: Callable[..., Any], resource_version: str, record: Callable[[str, Any], None]
+    ) -> None:
+        while not self._stop.is_set():
+            stream = watch.Watch()
+            try:
+                for event in stream.stream(
+                    lister, self.namespace, resource_version=resource_version, timeout_seconds=2
+                ):
+                    obj = event["object"]
+                    metadata = obj["metadata"] if isinstance(obj, dict) else obj.metadata
+                    resource_version = (
+                        metadata["resourceVersion"]
+                        if isinstance(metadata, dict)
+                        else metadata.resource_version
+                    )
+                    with self._lock:
+                        record(event["type"], obj)
+            except Exception:  # a dropped or expired watch: the window's figures say so by being low
+                time.sleep(0.2)
+
+    def _group(self, kind: str, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        old = self._groups.get(name, {})
+        self._groups[name] = obj
+        self.group_events += 1
+        fields = changed_fields(old.get("status"), obj.get("status"), "status")
+        fields += changed_fields(old.get("spec"), obj.get("spec"), "spec")
+        for part in ("labels", "annotations"):
+            fields += changed_fields(
+                (old.get("metadata") or {}).get(part), obj["metadata"].get(part), f"metadata.{part}"
+            )
+        for field_path in fields or [f"({kind.lower()}, no field changed)"]:
+            self.fields[field_path] = self.fields.get(field_path, 0) + 1
+
+    def _event(self, kind: str, obj: Any) -> None:
+        if kind == "ADDED":
+            key = f"{obj.type} {obj.reason}"
+            self.events[key] = self.events.get(key, 0) + 1
+
+    def _pod(self, kind: str, obj: Any) -> None:
+        component = (obj.metadata.labels or {}).get("app.kubernetes.io/component", "other")
+        key = f"{component} {kind.lower()}"
+        self.pods[key] = self.pods.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "group_fields": dict(self.fields),
+                "group_watch_events": self.group_events,
+                "events_posted": dict(self.events),
+                "pod_watch_events": dict(self.pods),
+            }
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def request_delta(
+    end: dict[tuple[str, str, str], float], start: dict[tuple[str, str, str], float]
+) -> dict[str, float]:
+    """The operator's requests between two scrapes, as 'verb resource code' -> count (nonzero only)."""
+    delta = {
+        f"{verb} {resource} {code}": n - start.get((verb, resource, code), 0)
+        for (verb, resource, code), n in end.items()
+    }
+    return {key: n for key, n in sorted(delta.items()) if n}
+
+
 Result = TypeVar("Result")
 
 
@@ -152,18 +290,21 @@ def count_pods(core: client.CoreV1Api, namespace: str) -> tuple[int, int]:
     return len(pods), sum(1 for pod in pods if (pod.get("spec") or {}).get("nodeName"))
 
 
-def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int]:
-    """(groups whose status counts all their pods, groups Running with every replica ready)."""
+def reporting(custom: client.CustomObjectsApi, namespace: str) -> tuple[int, int, int]:
+    """(groups whose status counts all their pods, groups Running with every replica ready, groups whose status
+    reports their driver's pod: DriverAvailable past NoDriverPod)."""
     items = patiently(
         lambda: custom.list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)
     )["items"]
-    counted = running = 0
+    counted = running = drivers = 0
     for item in items:
         status = item.get("status") or {}
         pods = sum(r.get("pods", 0) for r in status.get("replicaStatuses") or [])
         counted += pods == PODS_PER_GROUP and status.get("replicas") == REPLICAS
         running += status.get("phase") == "Running" and status.get("readyReplicas") == REPLICAS
-    return counted, running
+        driver = {c.get("type"): c for c in status.get("conditions") or []}.get("DriverAvailable") or {}
+        drivers += driver.get("reason") not in (None, "NoDriverPod")
+    return counted, running, drivers
 
 
 def manifest(namespace: str, index: int, gang: bool = False) -> dict[str, Any]:
@@ -346,7 +487,7 @@ def run(
                 if bound >= pods_total:
                     t_bound = now
             if t_pods is not None:
-                counted, running = reporting(custom, "bench")
+                counted, running, _ = reporting(custom, "bench")
                 if t_reported is None and counted == groups:
                     t_reported = time.monotonic() - started
                 if running == groups:
@@ -357,19 +498,44 @@ def run(
         cpu_busy = sampler.cpu_seconds() - cpu_before
         requests_busy = operator_requests(port)
         kopf_patches_busy = group_patches_by_kopf(cp) - kopf_patches_before
+        # Running is not settled: the driver Deployments' pods come from kube-controller-manager (the Deployment
+        # and ReplicaSet controllers, whose client is limited to 20 requests/s by default), a minute after the
+        # workers at 250 groups, and the operator reports each (DriverAvailable: NoDriverPod -> DriverDown here,
+        # where the tainted simulated nodes keep drivers Pending). The quiet window opens once all are reported.
+        t_drivers = None
+        while time.monotonic() < deadline and t_drivers is None and quiet_seconds > 0:
+            if reporting(custom, "bench")[2] == groups:
+                t_drivers = time.monotonic() - started
+            time.sleep(0.5)
 
         quiet_writes_per_minute = cpu_quiet = None
+        windows: list[dict[str, Any]] = []
         if quiet_seconds > 0:
             time.sleep(5)  # let the last status writes land before the quiet window opens
             quiet_start = operator_requests(port)
             kopf_quiet_start = group_patches_by_kopf(cp)
             cpu_quiet_start = sampler.cpu_seconds()
-            time.sleep(quiet_seconds)
-            quiet_end = operator_requests(port)
-            quiet_writes = sum(v - quiet_start.get(k, 0) for k, v in quiet_end.items() if k[0] in WRITE_VERBS)
-            quiet_writes += group_patches_by_kopf(cp) - kopf_quiet_start
-            quiet_writes_per_minute = quiet_writes * 60 / quiet_seconds
-            cpu_quiet = sampler.cpu_seconds() - cpu_quiet_start
+            observer = QuietWatch(k8s, "bench")
+            opened = time.monotonic()
+            # A minute first (the figure compared across runs), then the rest of a longer window.
+            for length in sorted({min(60.0, quiet_seconds), quiet_seconds}):
+                time.sleep(max(0.0, opened + length - time.monotonic()))
+                quiet_end = operator_requests(port)
+                writes = sum(v - quiet_start.get(k, 0) for k, v in quiet_end.items() if k[0] in WRITE_VERBS)
+                writes += group_patches_by_kopf(cp) - kopf_quiet_start
+                windows.append(
+                    {
+                        "seconds": length,
+                        "writes": writes,
+                        "writes_per_minute": writes * 60 / length,
+                        "cpu_seconds": sampler.cpu_seconds() - cpu_quiet_start,
+                        "requests": request_delta(quiet_end, quiet_start),
+                        **observer.snapshot(),
+                    }
+                )
+            observer.stop()
+            quiet_writes_per_minute = windows[-1]["writes_per_minute"]
+            cpu_quiet = windows[-1]["cpu_seconds"]
         sampler.stop()
 
         writes_before = scheduler_writes(cp)
@@ -391,6 +557,7 @@ def run(
             "pods_bound_seconds": t_bound,
             "groups_report_seconds": t_reported,
             "groups_running_seconds": t_running,
+            "drivers_reported_seconds": t_drivers,
             "direct_create_seconds": direct_exist,
             "direct_bound_seconds": direct_bound,
             "direct_in_flight": MAX_IN_FLIGHT,
@@ -404,6 +571,7 @@ def run(
             "quiet_seconds": quiet_seconds,
             "quiet_writes_per_minute": quiet_writes_per_minute,
             "quiet_cpu_seconds": cpu_quiet,
+            "quiet_windows": windows,
             "load_average": os.getloadavg()[0],
             "scheduler_qps": scheduler_qps,
         }
@@ -457,13 +625,41 @@ def report(result: dict[str, Any]) -> str:
         f"| operator peak RSS | {result['peak_rss_mb']:.0f} MB (target <= 200) | | |",
         f"| operator CPU until Running | {result['cpu_seconds']:.1f} s | | |",
     ]
-    if result["quiet_writes_per_minute"] is not None:
+    if result.get("quiet_windows"):
+        lines.append(
+            f"| every group reports its driver's pod (the quiet window opens 5 s later) | "
+            f"{secs(result.get('drivers_reported_seconds'))} | | |"
+        )
+    for window in result.get("quiet_windows") or []:
         lines += [
-            f"| API writes per quiet minute ({result['quiet_seconds']:.0f} s window) | "
-            f"{result['quiet_writes_per_minute']:.1f} (target 0) | | |",
-            f"| operator CPU in the quiet window | {result['quiet_cpu_seconds']:.2f} s | | |",
+            f"| API writes per quiet minute ({window['seconds']:.0f} s window) | "
+            f"{window['writes_per_minute']:.1f} (target 0) | | |",
+            f"| operator CPU in the {window['seconds']:.0f} s quiet window | {window['cpu_seconds']:.2f} s | | |",
         ]
+    for window in result.get("quiet_windows") or []:
+        if window["writes"] or window["group_fields"] or window["events_posted"]:
+            lines += [
+                "",
+                f"What happened in the {window['seconds']:.0f} s quiet window:",
+                *quiet_detail(window),
+            ]
     return "\n".join(lines)
+
+
+def quiet_detail(window: dict[str, Any]) -> list[str]:
+    """The writes of a quiet window by kind, and what they changed."""
+
+    def listed(counts: dict[str, float]) -> str:
+        return (
+            ", ".join(f"{key} {int(n)}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+        )
+
+    return [
+        f"- operator requests (verb resource code): {listed(window['requests'])}",
+        f"- group watch events: {window['group_watch_events']}; fields changed: {listed(window['group_fields'])}",
+        f"- Events posted: {listed(window['events_posted'])}",
+        f"- pod watch events: {listed(window['pod_watch_events'])}",
+    ]
 
 
 # (label, key) of the times compared between runs with gang placement off and on.
