@@ -371,6 +371,25 @@ def test_workload_and_podgroup_follow_the_v1beta1_fields_and_are_owned_by_the_gr
         assert owner["uid"] == "uid-1" and owner["controller"] is True
 
 
+def test_the_gang_carries_the_workers_priority_class_on_its_template_and_podgroup() -> None:
+    """The scheduler takes a gang's priority from its PodGroup and refuses a gang whose pods' priority differs
+    (v1.37 validatePodGroup): the class goes wherever the v1beta1 API takes it."""
+    g = group(replicas=2, worldSize=4, scheduling={"priorityClassName": "inference-high"})
+    template = builders.workload(g)["spec"]["podGroupTemplates"][0]
+    assert template["priorityClassName"] == "inference-high"
+    assert builders.pod_group(g, 0)["spec"]["priorityClassName"] == "inference-high"
+    pod = builders.worker_pod(g, 0, 0, SETTINGS, builders.pod_group_name("g", 0))
+    assert pod["spec"]["priorityClassName"] == "inference-high"
+    # Without one, neither says anything (admission gives the global default, or 0, to pods and group alike).
+    plain = group(replicas=2, worldSize=4)
+    assert "priorityClassName" not in builders.workload(plain)["spec"]["podGroupTemplates"][0]
+    assert "priorityClassName" not in builders.pod_group(plain, 0)["spec"]
+    # The class is part of the Workload's hash: its templates are immutable, so a change replaces it.
+    assert (
+        builders.workload(g)["metadata"]["annotations"] != builders.workload(plain)["metadata"]["annotations"]
+    )
+
+
 def test_a_gang_pod_names_its_podgroup_and_others_do_not() -> None:
     g = group(replicas=2, worldSize=2)
     pod = builders.worker_pod(g, 1, 0, SETTINGS, builders.pod_group_name("g", 1))

@@ -20,6 +20,7 @@ import pytest
 from iwg_operator import labels, metrics
 from iwg_operator.api import wiring
 from kopf.testing import KopfRunner
+from kubernetes import client
 from kubernetes.client import ApiClient
 
 from tests.cluster.control_plane import ControlPlane
@@ -217,6 +218,57 @@ def test_two_groups_competing_for_room_for_one_replica_place_exactly_one_whole(
     while time.monotonic() < deadline:  # and it stays that way: no deadlock, no partial second replica
         counts = sorted([gang_groups.bound("a"), gang_groups.bound("b")])
         assert counts == [0, 4], counts
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def priority_classes(gang_k8s: ApiClient, gang_namespace: str) -> Iterator[dict[str, str]]:
+    """Two PriorityClasses of this test (cluster-scoped, so named after its namespace): low 100, high 1000."""
+    scheduling = client.SchedulingV1Api(gang_k8s)
+    names = {level: f"{gang_namespace}-{level}" for level in ("low", "high")}
+    for level, value in (("low", 100), ("high", 1000)):
+        scheduling.create_priority_class({"metadata": {"name": names[level]}, "value": value})
+    try:
+        yield names
+    finally:
+        for name in names.values():
+            scheduling.delete_priority_class(name)
+
+
+def test_a_high_priority_gang_preempts_a_running_low_priority_gang_whole(
+    gang_groups: GangGroups, pool: NodePool, priority_classes: dict[str, str], gang_operator: KopfRunner
+) -> None:
+    """v1.37 takes a gang's priority from its PodGroup (and refuses a gang whose pods' priority differs from
+    it: without the class on the PodGroup neither gang ever binds). Room for one replica of 4 eight-GPU
+    pods: the low gang runs; the high gang, created after it, preempts all of it and binds whole."""
+    pool.grow(4)
+    gang_groups.create(
+        "low",
+        **gpu_spec(pool, replicas=1, worldSize=4, scheduling={"priorityClassName": priority_classes["low"]}),
+    )
+    eventually(lambda: gang_groups.bound("low") == 4, timeout=60, what="the low gang placed")
+    gang_groups.create(
+        "high",
+        **gpu_spec(pool, replicas=1, worldSize=4, scheduling={"priorityClassName": priority_classes["high"]}),
+    )
+    created = time.monotonic()
+    partial = watch_bound(gang_groups, ["high"], 4, lambda: gang_groups.bound("high") == 4, timeout=90)
+    sys.__stderr__.write(f"high gang bound {time.monotonic() - created:.1f} s after it was created\n")
+    assert partial < BINDING_SECONDS, f"the high replica was half-placed for {partial:.1f} s"
+    (high_group,) = gang_groups.pod_groups("high")
+    assert high_group["spec"]["priorityClassName"] == priority_classes["high"]
+    assert high_group["spec"]["priority"] == 1000  # resolved by the apiserver's priority admission
+    (workload,) = gang_groups.workloads("high")
+    assert workload["spec"]["podGroupTemplates"][0]["priorityClassName"] == priority_classes["high"]
+    # The low gang's pods were preempted; the operator recreates them and they wait, none bound.
+    eventually(
+        lambda: gang_groups.bound("low") == 0 and len(gang_groups.live_pods("low")) == 4,
+        timeout=60,
+        what="the low gang preempted and waiting whole",
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # and the high gang keeps its room
+        assert (gang_groups.bound("high"), gang_groups.bound("low")) == (4, 0)
         time.sleep(0.1)
 
 

@@ -29,6 +29,14 @@ def gang_policy(group: Group) -> Manifest:
     return {"gang": {"minCount": group.spec.world_size}}
 
 
+def priority(group: Group) -> Manifest:
+    """The worker pods' priority class, on the template and the PodGroup: the scheduler takes a gang's
+    priority from its PodGroup (the priority admission plugin resolves the class into `spec.priority`) and
+    refuses to place a gang whose pods' priority differs from it. Immutable on both objects."""
+    name = group.spec.scheduling.priority_class_name
+    return {"priorityClassName": name} if name else {}
+
+
 def workload(group: Group) -> Manifest:
     """The group's Workload: one template (a replica's ranks) with a gang policy of minCount = worldSize.
     Its templates are fixed after creation, so a world-size change replaces it (spec-hash annotation)."""
@@ -39,7 +47,9 @@ def workload(group: Group) -> Manifest:
             "metadata": metadata(group, workload_name(group.name), labels.COMPONENT_GANG),
             "spec": {
                 "controllerRef": {"apiGroup": api.GROUP, "kind": api.KIND, "name": group.name},
-                "podGroupTemplates": [{"name": TEMPLATE_NAME, "schedulingPolicy": gang_policy(group)}],
+                "podGroupTemplates": [
+                    {"name": TEMPLATE_NAME, "schedulingPolicy": gang_policy(group), **priority(group)}
+                ],
             },
         }
     )
@@ -56,5 +66,6 @@ def pod_group(group: Group, replica: int) -> Manifest:
         "spec": {
             "workloadRef": {"workloadName": workload_name(group.name), "templateName": TEMPLATE_NAME},
             "schedulingPolicy": gang_policy(group),
+            **priority(group),
         },
     }
