@@ -1,6 +1,6 @@
 """A small async Kubernetes API client (aiohttp) for the operator's own reads and writes.
 
-It speaks only the verbs the operator needs (get, create, apply, patch, delete) on the resources it owns,
+It speaks only the verbs the operator needs (get, create, apply, patch, update, delete) on the resources it owns,
 and counts every request by verb, resource and status code (`RequestCounter`, also exported as
 `iwg_operator_api_requests_total` through iwg_operator.metrics). Watching is Kopf's job, not this client's.
 """
@@ -31,7 +31,7 @@ FIELD_MANAGER = "iwg-operator"
 # with 64: 32 keeps most of the gain without one operator holding a large share of the API server's seats.
 MAX_IN_FLIGHT = 32
 
-WRITE_VERBS = frozenset({"create", "apply", "patch", "delete"})
+WRITE_VERBS = frozenset({"create", "apply", "patch", "update", "delete"})
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ POD_DISRUPTION_BUDGETS = Resource("policy", "v1", "poddisruptionbudgets", "PodDi
 GROUPS = Resource(api.GROUP, api.VERSION, api.PLURAL, api.KIND)
 WORKLOADS = Resource("scheduling.k8s.io", "v1beta1", "workloads", "Workload")
 POD_GROUPS = Resource("scheduling.k8s.io", "v1beta1", "podgroups", "PodGroup")
+# The leader election's Lease (iwg_operator.leader), in the operator's own namespace: get, create, update.
+LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
 
 # Every resource the reconciler touches, with its verbs: the Helm chart's RBAC is built from this list
 # (plus Kopf's own needs: watch/list/patch on groups, watch/list on pods, create events, list CRDs).
@@ -86,6 +88,8 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     # its templates are fixed), a PodGroup per replica (read from a Kopf index, never fetched one by one).
     WORKLOADS: ("get", "create", "delete"),
     POD_GROUPS: ("create", "delete"),
+    # The leader election (iwg_operator.leader): one Lease in the operator's own namespace, not the groups'.
+    LEASES: ("get", "create", "update"),
 }
 
 
@@ -407,6 +411,12 @@ class KubeApi:
             body,
             content_type="application/merge-patch+json",
         )
+
+    async def replace(
+        self, resource: Resource, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A PUT (verb update): with metadata.resourceVersion set, refused (409) when the object changed since."""
+        return await self._request("update", "PUT", resource, resource.path(namespace, name), body)
 
     async def scale(self, resource: Resource, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set replicas through the scale subresource: the right to scale, not to edit the spec."""

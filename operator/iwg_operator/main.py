@@ -1,5 +1,8 @@
 """`iwg-operator`: run the operator (Kopf, standalone) with its handlers and an optional metrics endpoint.
 
+With `--leader-elect` (the chart's replicas run so) only the replica holding the Lease runs Kopf; the others
+stand by (iwg_operator.leader).
+
 The Helm chart's arguments (helm/iwg-operator/templates/_args.tpl) are this parser's.
 """
 
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 # Kopf imports the official client's generated models whenever the `kubernetes` package is importable (about
@@ -16,7 +20,7 @@ sys.modules.setdefault("kubernetes", None)  # type: ignore[arg-type]
 
 import kopf  # noqa: E402
 
-from iwg_operator import metrics  # noqa: E402
+from iwg_operator import leader, metrics  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -43,7 +47,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve Prometheus metrics on this port (or IWG_METRICS_PORT)",
     )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
+    election = parser.add_argument_group("leader election (two or more replicas, one active)")
+    election.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run Kopf only while holding a coordination.k8s.io Lease; stand by otherwise",
+    )
+    election.add_argument(
+        "--leader-elect-namespace",
+        default=None,
+        help="the Lease's namespace (default: IWG_OPERATOR_NAMESPACE, else iwg-system)",
+    )
+    election.add_argument(
+        "--leader-elect-lease-name", default=leader.DEFAULT_LEASE_NAME, help="the Lease's name"
+    )
+    election.add_argument(
+        "--leader-elect-identity",
+        default=None,
+        help="this candidate's holderIdentity (default: IWG_OPERATOR_POD_NAME, else host name and a UUID)",
+    )
     return parser.parse_args(argv)
+
+
+def election_config(args: argparse.Namespace) -> leader.ElectionConfig:
+    namespace = args.leader_elect_namespace or os.environ.get("IWG_OPERATOR_NAMESPACE") or "iwg-system"
+    return leader.ElectionConfig(
+        namespace=namespace,
+        name=args.leader_elect_lease_name,
+        identity=args.leader_elect_identity or leader.default_identity(),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,14 +88,27 @@ def main(argv: list[str] | None = None) -> None:
     port = metrics.port_from_env(args.metrics_port)
     if port is not None:
         metrics.serve(port)
+    election = None
+    if args.leader_elect:
+        # Standing by: nothing but the Lease is read, nothing at all is written, no handler is registered.
+        election = leader.Election(election_config(args)).start()
+        standby = leader.serve_standby_liveness(args.liveness, election) if args.liveness else None
+        election.leading.wait()
+        if standby is not None:
+            standby.shutdown()
+            standby.server_close()  # Kopf's liveness endpoint takes the address over
     import iwg_operator.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.run(
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness,
-    )
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness,
+        )
+    finally:
+        if election is not None:
+            election.release()  # a graceful stop hands over at once
 
 
 if __name__ == "__main__":

@@ -47,8 +47,12 @@ def _flag(args: list[str], name: str) -> list[str]:
 def test_default_values_run_one_restricted_operator_cluster_wide() -> None:
     docs = render()
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas, one leading: a rolling update starts a standby before it stops a replica.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -63,6 +67,29 @@ def test_default_values_run_one_restricted_operator_cluster_wide() -> None:
     assert container["resources"]["requests"] and container["resources"]["limits"]
     args = container["args"]
     assert "--all-namespaces" in args and not _flag(args, "namespace")
+    assert "--leader-elect" in args
+    assert _flag(args, "leader-elect-lease-name") == [deployment["metadata"]["name"]]
+    # The replicas prefer different nodes; a drain evicts one at a time.
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert [t["podAffinityTerm"] for t in anti] == [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": selector}}
+    ]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    # The Lease: created in the release's namespace, then read and renewed by its name only.
+    role = one(docs, "Role")
+    assert role["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": [deployment["metadata"]["name"]],
+            "verbs": ["get", "update"],
+        },
+    ]
+    assert one(docs, "RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
     # The probe calls the port Kopf's liveness endpoint listens on; the metrics port is the flag's.
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -75,9 +102,12 @@ def test_default_values_run_one_restricted_operator_cluster_wide() -> None:
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
         "Service",
         "NetworkPolicy",
+        "PodDisruptionBudget",
     }
 
 
@@ -110,8 +140,15 @@ def test_watch_namespaces_grant_roles_there_and_run_kopf_on_them() -> None:
     namespaces = ["iwg-team-a", "iwg-team-b"]
     args = _container(docs)["args"]
     assert _flag(args, "namespace") == namespaces and "--all-namespaces" not in args
-    roles = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"}
-    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    election = one(cluster_wide, "Role")["metadata"]["name"]  # the Lease's, in the release namespace
+    roles = {
+        d["metadata"]["namespace"] for d in docs if d["kind"] == "Role" and d["metadata"]["name"] != election
+    }
+    bindings = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "RoleBinding" and d["metadata"]["name"] != election
+    }
     assert roles == set(bindings) == set(namespaces)
     sa = one(docs, "ServiceAccount")["metadata"]
     for binding in bindings.values():
@@ -120,7 +157,7 @@ def test_watch_namespaces_grant_roles_there_and_run_kopf_on_them() -> None:
         ]
     # Per namespace: what the cluster-wide install grants everywhere, and nothing cluster-wide.
     assert not chart.of_kind(docs, "ClusterRole") and not chart.of_kind(docs, "ClusterRoleBinding")
-    wide = {r[1:] for r in chart.rules(cluster_wide)}
+    wide = {r[1:] for r in chart.rules(cluster_wide) if r[0] == "cluster"}
     granted = list(chart.rules(docs))
     for namespace in namespaces:
         assert {r[1:] for r in granted if r[0] == namespace} == wide
@@ -166,7 +203,7 @@ def test_monitoring_values_create_a_service_monitor_for_the_metrics_service() ->
 BAD_VALUES = [
     # (helm --set argument, what the schema's message must say)
     ("--set-string=replicas=1", "at '/replicas': got string, want integer"),
-    ("--set=replicas=2", "at '/replicas': maximum: got 2, want 1"),
+    ("--set=replicas=-1", "at '/replicas': minimum: got -1, want 0"),
     ("--set=logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
     ("--set=metrics.port=80", "at '/metrics/port': minimum: got 80, want 1,024"),
     ("--set=watchNamespaces[0]=Team_A", "at '/watchNamespaces/0'"),

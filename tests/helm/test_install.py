@@ -348,6 +348,12 @@ def _check_rbac(
 
     resource_requests = [r for r in requests if r.resource is not None]
     assert resource_requests, "the proxy saw no API requests"
+    # Leader election: the replicas' Lease in the release's namespace, under a Role of its own there. A single
+    # replica creates it, reads it and renews it: each of the Role's rules is used.
+    elections = [r for r in resource_requests if (r.group, r.resource) == ("coordination.k8s.io", "leases")]
+    assert {r.namespace for r in elections} == {namespace}, elections
+    assert rules_used(elections) == _granted(release, namespace), "the leader election's Role"
+    resource_requests = [r for r in resource_requests if r not in elections]
     used = rules_used(resource_requests)
     if mode == "cluster-wide":
         granted = _granted(release, "cluster")
@@ -397,6 +403,8 @@ def test_install_and_uninstall_leave_only_the_crd(
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
         "Service",
         "NetworkPolicy",

@@ -1,6 +1,8 @@
 {{/* Arguments of `iwg-operator` (iwg_operator.main): the namespaces it handles, probes, logs, metrics. */}}
 {{- define "iwg-operator.args" -}}
 - --standalone
+- --leader-elect
+- --leader-elect-lease-name={{ include "iwg-operator.fullname" . }}
 {{- if .Values.watchNamespaces }}
 {{- range .Values.watchNamespaces }}
 - --namespace={{ . }}

@@ -53,3 +53,18 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+
+{{/*
+Leader election, in the release's namespace only: the replicas' Lease is created once, then read and renewed
+by name (create cannot be limited to a name: Kubernetes does not know it before the object exists).
+*/}}
+{{- define "iwg-operator.leaderElectionRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [{{ include "iwg-operator.fullname" . }}]
+  verbs: [get, update]
+{{- end -}}
