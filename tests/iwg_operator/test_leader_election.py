@@ -220,3 +220,24 @@ def test_a_stopped_leader_releases_the_lease_and_the_standby_takes_it_at_once(
     assert handover < 10  # a lease duration (15 s) would have passed without the release
     groups.create("handed", replicas=1, worker={"gpus": 0})
     eventually(lambda: len(groups.live_pods("handed")) == 1, timeout=30, what="the new leader reconciles")
+
+
+def test_a_leader_that_loses_the_lease_stops_all_work_at_once(
+    candidates: Candidates, groups: Groups, k8s: ApiClient, namespace: str
+) -> None:
+    """Another holder written into the Lease (what a standby does once the leader failed to renew): the
+    leader's next renewal sees it and the process ends, with no write after."""
+    leader = candidates.start("op-a")
+    eventually(lambda: _holder(k8s, namespace) == "op-a", timeout=60, what=f"op-a leads\n{leader.output()}")
+    eventually(leader.healthy, timeout=60, what="the leader's liveness endpoint (Kopf's)")
+    lost = time.monotonic()
+    client.CoordinationV1Api(k8s).patch_namespaced_lease(
+        LEASE, namespace, {"spec": {"holderIdentity": "someone-else"}}
+    )
+    eventually(lambda: not leader.running(), timeout=10, what="the leader's process ends")
+    print(f"leader stopped {time.monotonic() - lost:.1f} s after losing the lease")
+    assert leader.proc.returncode == 1
+    assert "leadership lost" in leader.output()
+    groups.create("orphan", replicas=1, worker={"gpus": 0})
+    time.sleep(3)
+    assert not groups.pods("orphan"), "nothing reconciles without a leader"
