@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -75,6 +75,10 @@ WRITE_CONCURRENCY = 16
 SUPPORT_CONCURRENCY = 16
 # Seconds after which a pod no scheduler has looked at is reported (condition Unschedulable, NotScheduled).
 ENV_SCHEDULING_TIMEOUT = "IWG_SCHEDULING_TIMEOUT_S"
+# While the cluster does not serve gang placement (scheduling.k8s.io/v1beta1), discovery is asked again this
+# often, and every gang group is reconciled again as often: an API enabled later is used without a restart.
+ENV_GANG_API_RECHECK = "IWG_GANG_API_RECHECK_S"
+GANG_API_RECHECK_SECONDS = 60.0
 MIN_BACKOFF_SECONDS = 1.0
 # Status writes refused because the group changed since it was read (409), each followed by a fresh read.
 STATUS_WRITE_ATTEMPTS = 5
@@ -183,6 +187,11 @@ class Controller:
         self.scheduling_timeout = float(
             os.environ.get(ENV_SCHEDULING_TIMEOUT, status.DEFAULT_SCHEDULING_TIMEOUT_SECONDS)
         )
+        self.gang_api_recheck = float(os.environ.get(ENV_GANG_API_RECHECK, GANG_API_RECHECK_SECONDS))
+        # Called once when gang placement becomes served after it was not (Kopf then watches PodGroups).
+        self.on_gang_api_served: Callable[[], Awaitable[None]] | None = None
+        self._gang_api_served: bool | None = None  # the last answer of discovery
+        self._gang_api_ready: asyncio.Future[None] | None = None  # on_gang_api_served, once
 
     # ------------------------------------------------------------------ fed by the handlers
 
@@ -410,7 +419,10 @@ class Controller:
         pod_groups = self._observed_pod_groups(state, desired.world_size)
         replacing = planning.replacing_replicas(pod_groups) if gang_served else frozenset()
         plan = planning.plan_pods(desired, pods, replacing)
-        gang_plan = planning.plan_gang(desired, gang_served, pod_groups, plan)
+        loose = (
+            planning.loose_replicas(self._pods(state.key), desired.revision) if gang_served else frozenset()
+        )
+        gang_plan = planning.plan_gang(desired, gang_served, pod_groups, plan, loose)
         failure: str | None = None
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
         await self._undrain_kept(state, group)
@@ -485,6 +497,8 @@ class Controller:
         rechecks = [status.scheduling_recheck(pods, now_rfc3339(), self.scheduling_timeout)]
         if state.expected_present or state.expected_gone:
             rechecks.append(EXPECTATION_SECONDS)
+        if group.spec.gang_enabled and not gang_served:
+            rechecks.append(self.gang_api_recheck)  # the API may be enabled meanwhile
         return min((r for r in rechecks if r is not None), default=None)
 
     async def _mark_invalid(self, state: GroupState) -> None:
@@ -522,8 +536,27 @@ class Controller:
         return result
 
     async def _gang_served(self) -> bool:
-        """Whether the cluster serves Workloads and PodGroups (discovery, asked once per operator)."""
-        return await self.kube.served(WORKLOADS) and await self.kube.served(POD_GROUPS)
+        """Whether the cluster serves Workloads and PodGroups: discovery, asked once while served and again
+        every `gang_api_recheck` seconds while not. When it becomes served, `on_gang_api_served` runs once
+        before any PodGroup is created (the PodGroup index must watch them)."""
+        served = await self.kube.served(WORKLOADS, self.gang_api_recheck) and await self.kube.served(
+            POD_GROUPS, self.gang_api_recheck
+        )
+        if served and self._gang_api_served is False:
+            log.info("the cluster serves gang placement (scheduling.k8s.io/v1beta1) now: used from here on")
+            if self.on_gang_api_served is not None:
+                self._gang_api_ready = asyncio.ensure_future(self.on_gang_api_served())
+        self._gang_api_served = served
+        ready = self._gang_api_ready
+        if served and ready is not None:
+            try:
+                await asyncio.shield(ready)  # every group waits for it, not only the one that saw it first
+            except Exception:
+                if self._gang_api_ready is ready:
+                    self._gang_api_served = False  # asked again on the next pass (this one retries)
+                    self._gang_api_ready = None
+                raise
+        return served
 
     async def retire_pod_group(self, state: GroupState, replica: int) -> None:
         """Before a whole replica is replaced (health restart policy Replica): its PodGroup goes first, which
@@ -583,7 +616,7 @@ class Controller:
                 if not g.terminating
             }
             todo = [(replica, rank) for replica, rank in todo if replica in made]
-        created, pod_failure = await self._create_pods(state, group, todo, gang.active)
+        created, pod_failure = await self._create_pods(state, group, todo, gang.active, gang.loose)
         failure = failure or pod_failure
         if created:
             metrics.pod_created("reconcile", len(created))
@@ -667,7 +700,12 @@ class Controller:
         return None
 
     async def _create_pods(
-        self, state: GroupState, group: builders.Group, todo: list[tuple[int, int]], gang: bool = False
+        self,
+        state: GroupState,
+        group: builders.Group,
+        todo: list[tuple[int, int]],
+        gang: bool = False,
+        loose: frozenset[int] = frozenset(),
     ) -> tuple[list[tuple[int, int]], str | None]:
         """Create in slow-start waves: one replica's ranks (useless without each other), then twice as many
         each wave. A refused pod stops the rest without a storm of errors."""
@@ -686,7 +724,9 @@ class Controller:
                         replica,
                         rank,
                         self.settings,
-                        builders.pod_group_name(group.name, replica) if gang else None,
+                        builders.pod_group_name(group.name, replica)
+                        if gang and replica not in loose
+                        else None,
                     ),
                     avoided,
                 )

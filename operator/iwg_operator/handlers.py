@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 
-from iwg_operator import labels, runtime
+from iwg_operator import kopf_resources, labels, runtime
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import Controller, GroupKey, group_from_body
 from iwg_operator.kube import POD_GROUPS
@@ -24,6 +24,8 @@ from iwg_operator.planning import (
     observe_pod_group,
 )
 from iwg_operator.supervisor import Supervisor
+
+kopf_resources.install()  # before Kopf starts its tasks: see kopf_resources
 
 GROUP_RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 WORKER_PODS = {labels.MANAGED_BY: labels.MANAGER, labels.COMPONENT: labels.COMPONENT_WORKER}
@@ -82,6 +84,10 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     runtime.configure_kopf(settings)
     memo["controller"] = runtime.build_controller()
+    # Gang placement enabled after the operator started: Kopf must watch PodGroups before any is created.
+    memo["controller"].on_gang_api_served = lambda: kopf_resources.rescan(
+        POD_GROUPS.group, frozenset({POD_GROUPS.plural})
+    )
     memo["supervisor"] = Supervisor(memo["controller"])
 
 
@@ -135,7 +141,8 @@ async def driver_pod_event(body: kopf.Body, namespace: str | None, memo: kopf.Me
 
 
 # Gang placement: the replicas' PodGroups. Where the cluster does not serve them, Kopf resolves no resource
-# for these two and watches nothing (it logs that once at startup).
+# for these two and watches nothing (it logs that once at startup), until the controller finds the API served
+# and has Kopf discover the group again (kopf_resources.rescan).
 @kopf.index(*POD_GROUP_RESOURCE, labels=GANGS)
 async def pod_groups(
     body: kopf.Body, namespace: str | None, **_: Any

@@ -13,6 +13,7 @@ import heapq
 import itertools
 import json
 import ssl
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -243,6 +244,7 @@ class KubeApi:
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._discovered: dict[str, asyncio.Future[frozenset[str]]] = {}
+        self._discovered_at: dict[str, float] = {}  # when each lookup was asked (time.monotonic)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -317,13 +319,26 @@ class KubeApi:
             return await asyncio.to_thread(tokens.token)
         return tokens.current
 
-    async def served(self, resource: Resource) -> bool:
-        """Whether the API server serves the resource; discovery of its group version is asked once and
-        cached for the life of the client (a 404 means not served: an older cluster or a feature gate off)."""
+    async def served(self, resource: Resource, recheck_after: float | None = None) -> bool:
+        """Whether the API server serves the resource (a 404 means not served: an older cluster or a feature
+        gate off). Discovery of its group version is asked once and cached: a resource served, for the life of
+        the client; one not served, for `recheck_after` seconds (None: for the life of the client too), so
+        that an API a cluster enables later is found without a restart."""
         key = resource.api_version
         lookup = self._discovered.get(key)
+        if (
+            lookup is not None
+            and recheck_after is not None
+            and lookup.done()
+            and not lookup.cancelled()
+            and lookup.exception() is None
+            and resource.plural not in lookup.result()
+            and time.monotonic() - self._discovered_at.get(key, 0.0) >= recheck_after
+        ):
+            lookup = None
         if lookup is None:
             lookup = self._discovered[key] = asyncio.ensure_future(self._discover(resource))
+            self._discovered_at[key] = time.monotonic()
         try:
             plurals = await asyncio.shield(lookup)
         except Exception:

@@ -50,6 +50,7 @@ class ObservedPod:
     )
     # Why the pod ended (Failed, Succeeded): status.reason and message, as the kubelet says.
     ended: str | None = None
+    pod_group: str | None = None  # spec.schedulingGroup.podGroupName: the PodGroup it names, if any
 
     @property
     def terminal(self) -> bool:
@@ -92,6 +93,7 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         seen_by_scheduler="PodScheduled" in conditions,
         failure=termination_failure(status.get("containerStatuses") or []),
         ended=_ended(status),
+        pod_group=((body.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") or None,
     )
 
 
@@ -314,6 +316,9 @@ class GangPlan:
     delete: tuple[ObservedPodGroup, ...]  # PodGroups to delete, before any pod of theirs
     create: tuple[int, ...]  # replicas whose PodGroup is created, before their pods
     held: frozenset[int]  # replicas that get no pod in this pass (their PodGroup is going)
+    loose: frozenset[int] = (
+        frozenset()
+    )  # replicas placed without a gang: they get no PodGroup (loose_replicas)
 
     @property
     def empty(self) -> bool:
@@ -325,8 +330,22 @@ def replacing_replicas(pod_groups: Iterable[ObservedPodGroup]) -> frozenset[int]
     return frozenset(g.replica for g in pod_groups if g.terminating)
 
 
+def loose_replicas(pods: Iterable[ObservedPod], revision: str) -> frozenset[int]:
+    """Replicas of the current revision with a live pod that names no PodGroup: placed one by one while the
+    cluster did not serve gang placement. They stay so (a PodGroup now would wait for minCount pods naming it,
+    which their running pods never do); their next replacement (rollout, Replica restart) makes them gangs.
+    `pods` must be what the API server showed (the index), not pods this operator just created."""
+    return frozenset(
+        p.replica for p in pods if not p.terminating and p.revision == revision and p.pod_group is None
+    )
+
+
 def plan_gang(
-    desired: Desired, gang: bool, pod_groups: Iterable[ObservedPodGroup], plan: PodPlan
+    desired: Desired,
+    gang: bool,
+    pod_groups: Iterable[ObservedPodGroup],
+    plan: PodPlan,
+    loose: frozenset[int] = frozenset(),
 ) -> GangPlan:
     """PodGroups to delete and create so that each replica that gets pods has exactly one current PodGroup.
 
@@ -352,10 +371,12 @@ def plan_gang(
     ]
     going = {g.replica for g in delete} | {g.replica for g in by_replica.values() if g.terminating}
     wanted = sorted({replica for replica, _ in plan.create}) if gang else []
-    create = [r for r in wanted if r not in by_replica]
+    loose = loose - set(plan.replace) if gang else frozenset()
+    create = [r for r in wanted if r not in by_replica and r not in loose]
     return GangPlan(
         active=gang,
         delete=tuple(sorted(delete, key=lambda g: -g.replica)),
         create=tuple(create),
         held=frozenset(going if gang else ()),
+        loose=frozenset(loose),
     )

@@ -155,6 +155,7 @@ class ControlPlane:
         self.startup_seconds: dict[str, float] = {}
         self._procs: list[_Proc] = []
         self._nodes: GpuNodePool | None = None
+        self._etcd_url = ""
 
     @classmethod
     def with_gang_scheduling(cls, **kwargs: Any) -> ControlPlane:
@@ -214,7 +215,7 @@ class ControlPlane:
         t0 = time.monotonic()
         try:
             self._write_credentials()
-            etcd_url = self._start_etcd()
+            etcd_url = self._etcd_url = self._start_etcd()
             self._start_apiserver(etcd_url)
             self._write_kubeconfig()
         except BaseException:
@@ -295,6 +296,24 @@ class ControlPlane:
         self.startup_seconds.setdefault("kwok+gpu-nodes", time.monotonic() - t0)
         return names
 
+    def stop_component(self, name: str) -> None:
+        """Stops one started component (kube-scheduler, kube-controller-manager, kube-apiserver)."""
+        procs = [p for p in self._procs if p.record.name == name]
+        stop_processes([p.record for p in procs], grace_s=5.0)
+        for proc in procs:
+            if proc.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(timeout=5)
+
+    def restart_apiserver(self) -> None:
+        """kube-apiserver stopped and started again on the same port and etcd (its data kept), with the
+        current `feature_gates` and `runtime_config`: clients keep their kubeconfig (a cluster enabling an API
+        group version the way an administrator would)."""
+        self.stop_component("kube-apiserver")
+        t0 = time.monotonic()
+        self._start_apiserver(self._etcd_url, port=self.port)
+        self.startup_seconds["kube-apiserver restart"] = time.monotonic() - t0
+
     def delete_nodes(self, names: list[str]) -> None:
         if self._nodes is not None:
             self._nodes.delete(names)
@@ -371,7 +390,7 @@ class ControlPlane:
         port = self._start_on_free_port("etcd", args, health=lambda port: f"http://127.0.0.1:{port}/health")
         return f"http://127.0.0.1:{port}"
 
-    def _start_apiserver(self, etcd_url: str) -> None:
+    def _start_apiserver(self, etcd_url: str, port: int | None = None) -> None:
         self.port = self._start_on_free_port(
             "kube-apiserver",
             lambda port: [
@@ -400,6 +419,7 @@ class ControlPlane:
             ],
             health=lambda port: f"https://127.0.0.1:{port}/readyz",
             token=self.token,
+            port=port,
         )
 
     def _write_kubeconfig(self) -> None:
@@ -460,11 +480,13 @@ class ControlPlane:
         health: Callable[[int], str],
         token: str | None = None,
         attempts: int = 3,
+        port: int | None = None,
     ) -> int:
         """Starts `name` on a free loopback port and waits until it answers there healthy.
 
         A port found free can be taken by another process before ours binds it (other test runs
-        share this machine): then ours exits and is started again on another port. Health only
+        share this machine): then ours exits and is started again on another port (`port`: that one only).
+        Health only
         counts once our own process listens on the port, so we never mistake a neighbour for ours.
         """
         # Serving certificates are generated at startup, so health is polled unverified;
@@ -473,8 +495,9 @@ class ControlPlane:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        fixed = port
         for attempt in range(1, attempts + 1):
-            port = free_port()
+            port = fixed or free_port()
             pid = self._spawn(name, args(port))
 
             def ready(port: int = port, pid: int = pid) -> bool:
@@ -484,7 +507,7 @@ class ControlPlane:
                 self._wait_until(name, ready, timeout=60)
                 return port
             except StartupError as exc:
-                if attempt == attempts or "address already in use" not in str(exc):
+                if attempt == attempts or fixed or "address already in use" not in str(exc):
                     raise
                 self._procs.pop()  # it has exited; forget it
         raise AssertionError("unreachable")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import types
 from typing import Any
 
 import pytest
@@ -17,7 +18,16 @@ from iwg_operator.controller import (
     ReconcileRefused,
     group_from_body,
 )
-from iwg_operator.kube import NAMESPACE_TERMINATING, ApiError, Resource, api_error
+from iwg_operator.kube import (
+    NAMESPACE_TERMINATING,
+    POD_GROUPS,
+    WORKLOADS,
+    ApiError,
+    Connection,
+    KubeApi,
+    Resource,
+    api_error,
+)
 from iwg_operator.planning import ObservedPod, ObservedPodGroup, observe_pod, observe_pod_group
 
 
@@ -31,7 +41,7 @@ class RecordingKube:
         self.gang_served = gang_served  # whether discovery finds workloads and podgroups
         self.discoveries = 0
 
-    async def served(self, resource: Resource) -> bool:
+    async def served(self, resource: Resource, recheck_after: float | None = None) -> bool:
         self.discoveries += 1  # the real client asks the server once and caches: not a call here
         return self.gang_served
 
@@ -511,6 +521,61 @@ async def test_gang_turned_off_deletes_podgroups_and_the_workload() -> None:
     new_pods = [b for (plural, _), b in kube.objects.items() if plural == "pods"]
     assert new_pods and not any("schedulingGroup" in b["spec"] for b in new_pods)
     assert "GangScheduling" not in {c["type"] for c in state.current_status["conditions"]}
+
+
+async def test_discovery_keeps_a_served_answer_and_asks_again_after_recheck_after_while_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kube = KubeApi(Connection(server="https://127.0.0.1:1", ssl_context=False))
+    answers = [(404, "")]
+    asked: list[str] = []
+
+    async def send(verb: str, counted_as: str, method: str, path: str, *args: Any) -> tuple[int, str]:
+        asked.append(path)
+        return answers[-1]
+
+    monkeypatch.setattr(kube, "_send", send)
+    clock = [100.0]
+    monkeypatch.setattr("iwg_operator.kube.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    assert not await kube.served(WORKLOADS, 60.0)
+    clock[0] += 59.0
+    assert not await kube.served(WORKLOADS, 60.0) and len(asked) == 1  # cached within the interval
+    answers.append((200, '{"resources": [{"name": "workloads"}, {"name": "podgroups"}]}'))
+    assert not await kube.served(WORKLOADS)  # None: the old answer for ever
+    clock[0] += 1.0
+    assert await kube.served(WORKLOADS, 60.0) and len(asked) == 2  # asked again: served now
+    clock[0] += 3600.0
+    assert await kube.served(POD_GROUPS, 60.0) and len(asked) == 2  # a served answer is kept
+    assert asked == ["/apis/scheduling.k8s.io/v1beta1"] * 2
+
+
+async def test_gang_api_served_later_is_found_on_the_recheck_and_used_for_new_replicas_only() -> None:
+    """Not served: the pass asks for a recheck after gang_api_recheck seconds. Served later: the hook (Kopf
+    watches PodGroups) runs once, before any PodGroup; the condition turns True; the replica placed loose keeps
+    its pods and gets no PodGroup (one now would wait for minCount pods naming it); a new replica is a gang."""
+    kube, ctl, state = await gang_group(served=False, replicas=1, worldSize=2)
+    ctl.gang_api_recheck = 7.0
+    assert await ctl.reconcile(state) == 7.0  # nothing else pending: only the API recheck
+    hooked: list[int] = []
+
+    async def hook() -> None:
+        hooked.append(len([c for c in kube.calls if c[1] == "podgroups"]))
+
+    ctl.on_gang_api_served = hook
+    kube.gang_served = True
+    respec(state, replicas=2)
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    assert hooked == [0]  # once, before any PodGroup was created
+    assert {name for plural, name in kube.objects if plural == "podgroups"} == {"g-r1"}
+    named = {
+        name: (b["spec"].get("schedulingGroup") or {}).get("podGroupName")
+        for (plural, name), b in kube.objects.items()
+        if plural == "pods"
+    }
+    assert named == {"g-r0-w0": None, "g-r0-w1": None, "g-r1-w0": "g-r1", "g-r1-w1": "g-r1"}
+    condition = {c["type"]: c for c in state.current_status["conditions"]}["GangScheduling"]
+    assert condition["status"] == "True"
 
 
 async def test_where_the_api_is_not_served_pods_are_placed_one_by_one_and_it_is_said_once() -> None:

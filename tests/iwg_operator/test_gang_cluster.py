@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 from iwg_operator import labels, metrics
 from iwg_operator.api import wiring
+from iwg_operator.controller import ENV_GANG_API_RECHECK, EXPECTATION_SECONDS
 from kopf.testing import KopfRunner
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.cluster.control_plane import ControlPlane
+from tests.cluster.control_plane import GANG_FEATURE_GATES, GANG_RUNTIME_CONFIG, ControlPlane
+from tests.cluster.fixtures import fresh_namespace
 from tests.cluster.waiting import eventually
 from tests.iwg_operator.conftest import Groups, install_crd, running_operator
 from tests.iwg_operator.test_operator_restart import OperatorProcess
@@ -414,7 +416,9 @@ def test_a_cluster_without_the_api_says_so_once_and_the_group_serves(
     time.sleep(1)
     warnings = [e for e in groups.events("plain") if e.reason == "GangSchedulingUnavailable"]
     assert len(warnings) == 1 and warnings[0].type == "Warning" and (warnings[0].count or 1) == 1
-    assert _discoveries() - before == 1, "discovery is asked once, not on every pass"
+    assert _discoveries() - before == 1, (
+        "discovery is asked once per recheck interval (60 s), not on every pass"
+    )
 
 
 class FakeWorkerHealth:
@@ -486,3 +490,91 @@ def test_a_replica_restart_by_the_health_prober_replaces_its_podgroup_with_its_p
         "heal-r0"
     ] == (before["heal-r0"])
     assert any(e.reason == "WorkerUnhealthy" for e in gang_groups.events("heal"))
+
+
+def test_gang_api_enabled_after_the_operator_started_is_found_and_used_without_a_restart(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A control plane of its own, started without the gang API; the operator runs, the group says
+    GangScheduling=False (ApiNotServed). The apiserver is restarted (same port, same etcd) with GenericWorkload
+    and scheduling.k8s.io/v1beta1, the controller manager and scheduler with the gate: the operator's next
+    discovery (every IWG_GANG_API_RECHECK_S, 2 s here) finds the API, Kopf watches PodGroups, the condition
+    turns True, and a replica added from then on is placed as a gang; the replica placed before stays as it
+    was (its running pods name no PodGroup). Fails where discovery is cached for the operator's life."""
+    monkeypatch.setenv(ENV_GANG_API_RECHECK, "2")
+    cp = ControlPlane(name="iwg-late-gang").start()
+    api = cp.api_client()
+    try:
+        cp.start_controller_manager()  # ServiceAccounts, garbage collection; no scheduler before the API
+        install_crd(cp)
+        with fresh_namespace(request, cp, api) as namespace, running_operator(cp, namespace, monkeypatch):
+            groups = GangGroups(api, namespace)
+            pool = NodePool(cp, namespace)
+            spec = {"worker": {"gpus": 8}, "scheduling": pool.selector}
+            groups.create("late", replicas=1, worldSize=2, **spec)
+            eventually(
+                lambda: (
+                    (c := groups.condition("late", "GangScheduling")) is not None
+                    and c["status"] == "False"
+                    and c["reason"] == "ApiNotServed"
+                ),
+                timeout=60,
+                what="GangScheduling False while the API is not served",
+            )
+            eventually(lambda: len(groups.live_pods("late")) == 2, what="replica 0's pods, loose")
+            assert not any(p.spec.scheduling_group for p in groups.live_pods("late"))
+
+            cp.feature_gates, cp.runtime_config = GANG_FEATURE_GATES, GANG_RUNTIME_CONFIG
+            cp.restart_apiserver()
+            enabled = time.monotonic()
+            cp.stop_component("kube-controller-manager")
+            cp.start_controller_manager()
+            cp.start_scheduler()
+            pool.grow(4)
+            eventually(
+                lambda: (
+                    (c := groups.condition("late", "GangScheduling")) is not None and c["status"] == "True"
+                ),
+                timeout=60,
+                what="GangScheduling True once the API is served",
+            )
+            sys.__stderr__.write(
+                f"GangScheduling True {time.monotonic() - enabled:.1f} s after the restart\n"
+            )
+            eventually(lambda: groups.bound("late") == 2, timeout=60, what="replica 0 bound, loose")
+
+            groups.patch("late", {"replicas": 2})
+            made = time.monotonic()
+            eventually(
+                lambda: (
+                    [g["metadata"]["name"] for g in groups.pod_groups("late")] == ["late-r1"]
+                    and groups.bound("late") == 4
+                ),
+                timeout=60,
+                what="replica 1 placed as a gang (its PodGroup), replica 0 as it was",
+            )
+            by_replica = {
+                p.metadata.name: p.spec.scheduling_group.pod_group_name if p.spec.scheduling_group else None
+                for p in groups.live_pods("late")
+            }
+            assert sorted(map(str, by_replica.values())) == ["None", "None", "late-r1", "late-r1"], by_replica
+            eventually(
+                lambda: (
+                    (c := groups.condition("late", "GangScheduling")) is not None and c["reason"] == "Placed"
+                ),
+                timeout=30,
+                what="GangScheduling Placed: both replicas",
+            )
+            # What the operator knows of PodGroups must come from its watch (the PodGroup index), not only from
+            # what it remembers creating (kept EXPECTATION_SECONDS): past that, a scale-down still finds late-r1.
+            time.sleep(max(0.0, made + EXPECTATION_SECONDS + 2 - time.monotonic()))
+            groups.patch("late", {"replicas": 1})
+            eventually(
+                lambda: not groups.pod_groups("late") and len(groups.live_pods("late")) == 2,
+                timeout=60,
+                what="replica 1 and its PodGroup gone on scale-down",
+            )
+            pool.control_plane.delete_nodes(pool.names)
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
+        cp.stop()

@@ -8,6 +8,7 @@ from iwg_operator.planning import (
     ObservedDriver,
     ObservedPod,
     ObservedPodGroup,
+    loose_replicas,
     observe_driver_pod,
     observe_pod,
     observe_pod_group,
@@ -335,6 +336,35 @@ def test_gang_off_or_a_wrong_min_count_deletes_podgroups() -> None:
     assert len(off.delete) == 2 and off.held == frozenset() and not off.active
     stale = plan_gang(desired, True, [gang(0), gang(1, min_count=4)], plan)
     assert [g.replica for g in stale.delete] == [1]
+
+
+def test_replicas_placed_without_a_gang_get_no_podgroup_until_they_are_replaced() -> None:
+    desired = Desired(2, 2, REV, 1)
+    pods = [*full(1, 2), pod(1, 0, pod_group="g-r1")]  # replica 0 loose; replica 1 a gang, a rank missing
+    loose = loose_replicas(pods, REV)
+    assert loose == frozenset({0})
+    plan = plan_pods(desired, pods)
+    made = plan_gang(desired, True, [], plan, loose)
+    assert made.create == (1,) and made.loose == frozenset({0})
+    # A replica being replaced (rollout) is not loose: its new pods are a gang; old-revision pods never are.
+    rolled = Desired(2, 2, "r2", 1)
+    assert loose_replicas(pods, "r2") == frozenset()
+    plan = plan_pods(rolled, full(2, 2))
+    assert plan.replace and plan_gang(rolled, True, [], plan, frozenset(plan.replace)).loose == frozenset()
+    # Gang placement not served: nothing is loose (no PodGroup is made at all).
+    assert plan_gang(desired, False, [], plan_pods(desired, pods), loose).loose == frozenset()
+
+
+def test_observe_pod_reads_the_podgroup_it_names() -> None:
+    body = {
+        "metadata": {"name": "g-r0-w1", "labels": {labels.GROUP: "g", labels.REPLICA: "0", labels.RANK: "1"}},
+        "spec": {"schedulingGroup": {"podGroupName": "g-r0"}},
+    }
+    observed = observe_pod(body)
+    assert observed is not None and observed.pod_group == "g-r0"
+    body["spec"] = {}
+    observed = observe_pod(body)
+    assert observed is not None and observed.pod_group is None
 
 
 def test_observe_pod_group_reads_the_schedulers_condition() -> None:
