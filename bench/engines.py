@@ -76,9 +76,11 @@ from typing import Any
 from bench.generate import PROMPT_TOKENS, Run, make_prompts, row, run_serve
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("iwg-vllm", "vllm-serve", "iwg-transformers")
+SERVERS = ("iwg-vllm", "vllm-serve", "iwg-transformers", "iwg-vllm-inprocess")
+DEFAULT_SERVERS = SERVERS[:3]
 LABELS = {
     "iwg-vllm": "iwg serve (engine vllm)",
+    "iwg-vllm-inprocess": "iwg serve (engine vllm, engine core in the worker)",
     "vllm-serve": "vllm serve",
     "iwg-transformers": "iwg serve (engine transformers)",
 }
@@ -182,7 +184,9 @@ def launch(name: str, argv: list[str], env: dict[str, str], log: Path, ready: st
     return server
 
 
-def start_iwg(engine: str, args: argparse.Namespace, tmp: Path, blocks: int) -> Server:
+def start_iwg(
+    engine: str, args: argparse.Namespace, tmp: Path, blocks: int, inprocess: bool = False
+) -> Server:
     import yaml
 
     from tests.models import smollm2_manifest
@@ -196,9 +200,13 @@ def start_iwg(engine: str, args: argparse.Namespace, tmp: Path, blocks: int) -> 
     path = tmp / f"group-{engine}.yaml"
     path.write_text(yaml.safe_dump(manifest))
     env = {**server_env(args), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"}
+    name = f"iwg-{engine}"
+    if inprocess:  # vLLM's engine core in the worker's process (its workers inherit iwg serve's environment)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        name += "-inprocess"
     argv = [sys.executable, "-m", "iwg_worker.cli", "serve", str(path), "--port", "{port}"]
     argv += ["--startup-timeout", str(args.startup_timeout)]
-    return launch(f"iwg-{engine}", argv, env, tmp / f"iwg-{engine}.log", "/readyz", args.startup_timeout)
+    return launch(name, argv, env, tmp / f"{name}.log", "/readyz", args.startup_timeout)
 
 
 def start_vllm_serve(args: argparse.Namespace, tmp: Path, model_dir: Path, blocks: int) -> Server:
@@ -324,7 +332,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--servers", default=",".join(SERVERS), help="a comma-separated subset of " + ", ".join(SERVERS)
+        "--servers",
+        default=",".join(DEFAULT_SERVERS),
+        help="a comma-separated subset of " + ", ".join(SERVERS),
     )
     parser.add_argument("--streams", default="1,8,32,64")
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -381,8 +391,9 @@ def main() -> None:
                 if name == "vllm-serve":
                     server = start_vllm_serve(args, tmp, model_dir, vllm_blocks)
                 else:
-                    engine = name.removeprefix("iwg-")
-                    server = start_iwg(engine, args, tmp, vllm_blocks if engine == "vllm" else tf_blocks)
+                    engine = name.removeprefix("iwg-").removesuffix("-inprocess")
+                    blocks = vllm_blocks if engine == "vllm" else tf_blocks
+                    server = start_iwg(engine, args, tmp, blocks, inprocess=name.endswith("-inprocess"))
             except (RuntimeError, TimeoutError) as exc:
                 print(f"# {name} did not start: {exc}", flush=True)
                 continue
@@ -401,12 +412,14 @@ def main() -> None:
         "\n| server | streams | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    iwg, peer, tf = (results.get(s, {}) for s in SERVERS)
+    iwg, peer, tf = (results.get(s, {}) for s in DEFAULT_SERVERS)
     for n in levels:
         for name in SERVERS:
             if n not in results.get(name, {}):
                 continue
             ratio = ""
+            if name == "iwg-vllm-inprocess" and n in peer:
+                ratio = f"{ratio_cell(results[name], peer, n, None)} of vllm serve"
             if name == "iwg-vllm":
                 parts = []
                 if n in peer:

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_FRACTION = 0.25
 CPU_DEFAULT_MAX_BYTES = 2 * 1024**3
 IDLE_WAIT_S = 0.5
+# With one rank, vLLM's engine core runs in processes of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 is set
+# (`spec.worker.env`): see prepare_environment.
+DEFAULT_MULTIPROCESSING = "1"
 _MASK63 = (1 << 63) - 1
 
 
@@ -76,7 +79,10 @@ def prepare_environment(device_type: str, threads: int | None, world_size: int =
       workers), else the worker's CPU budget. With one rank on CPU, vLLM's model process does not pin them
       unless VLLM_CPU_OMP_THREADS_BIND is set (`spec.worker.env`, for pods with cores of their own).
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if world_size <= 1 else "0"
+    if world_size > 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", DEFAULT_MULTIPROCESSING)
     if device_type != "cpu":
         return
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -84,7 +90,7 @@ def prepare_environment(device_type: str, threads: int | None, world_size: int =
     if not threads:
         return
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    if world_size <= 1:
+    if engine_core_processes(world_size):
         # Pinned threads spin on their cores: right for a worker that owns them, ruinous for two that share
         # them, which the worker cannot tell apart (a pod sees every core of its node). The user pins.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -94,6 +100,11 @@ def prepare_environment(device_type: str, threads: int | None, world_size: int =
     import torch
 
     torch.set_num_threads(threads)
+
+
+def engine_core_processes(world_size: int) -> bool:
+    """Whether vLLM's engine core runs in processes of its own (after `prepare_environment`)."""
+    return world_size <= 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
 
 
 def supports_architecture(model_path: str) -> bool:
@@ -157,7 +168,7 @@ class VllmEngine(RequestFront):
         mark_spawner()  # vLLM's engine core and model process end with this worker
         self.llm: Any = LLMEngine.from_engine_args(
             args,
-            enable_multiprocessing=options.world_size <= 1,  # see prepare_environment
+            enable_multiprocessing=engine_core_processes(options.world_size),  # see prepare_environment
             stat_loggers=[self._recorder.logger_class()],
         )
         model_config = self.llm.model_config
@@ -383,7 +394,9 @@ class VllmEngine(RequestFront):
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shards when the replica is sharded)."""
         if self._parameter_bytes is None:
-            if self.options.world_size <= 1:  # the model lives in vLLM's process: its checkpoint says
+            if engine_core_processes(
+                self.options.world_size
+            ):  # the model is in vLLM's process: ask the checkpoint
                 self._parameter_bytes = _checkpoint_bytes(
                     Path(self.llm.model_config.model), self.options.dtype
                 )
