@@ -65,6 +65,9 @@ async def _observer(*, settings: Any, registry: Any, insights: Any) -> None:
 def install() -> None:
     """Wrap Kopf's resource observer (idempotent); before Kopf starts its tasks (at import of the handlers)."""
     global _original_observer
+    if not callable(getattr(observation, "resource_observer", None)):  # another Kopf: no rescans, no crash
+        log.warning("this Kopf has no resource observer to wrap: an API served later needs a restart")
+        return
     if _original_observer is None:
         _original_observer = observation.resource_observer
         observation.resource_observer = _observer
