@@ -218,6 +218,38 @@ def test_network_policy_admits_group_and_operator_only() -> None:
     assert all("ipBlock" not in p for p in peers)
 
 
+def test_network_policy_fences_worker_egress_to_group_drivers_and_dns() -> None:
+    policy = builders.network_policy(group(), SETTINGS)["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    workers = {"podSelector": {"matchLabels": labels.worker_selector("g")}}
+    drivers = {"podSelector": {"matchLabels": labels.driver_selector("g")}}
+    dns = [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert policy["egress"] == [
+        {"to": [workers]},  # any port: collectives listen on ports chosen at run time
+        {
+            "to": [drivers],
+            "ports": [
+                {"port": wiring.DEFAULT_RPC_PORT, "protocol": "TCP"},
+                {"port": wiring.DEFAULT_RESPONSE_PORT, "protocol": "TCP"},
+            ],
+        },
+        {"ports": dns},  # any address: NodeLocal DNSCache and DNS pods labelled otherwise
+    ]
+    # Nothing else: no ipBlock, no namespaceSelector (the group's own namespace only), no empty rule.
+    peers = [peer for rule in policy["egress"] for peer in rule.get("to", [])]
+    assert all(set(peer) == {"podSelector"} for peer in peers)
+    assert all(rule.get("to") or rule.get("ports") for rule in policy["egress"])
+
+
+def test_unrestricted_worker_egress_leaves_egress_open_and_rolls_no_pod() -> None:
+    restricted, unrestricted = group(), group(worker={"egress": "Unrestricted"})
+    policy = builders.network_policy(unrestricted, SETTINGS)["spec"]
+    # One empty rule admits every destination and port (Kubernetes' own "allow all egress" policy).
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == [{}]
+    assert policy["ingress"] == builders.network_policy(restricted, SETTINGS)["spec"]["ingress"]
+    assert builders.revision(unrestricted, SETTINGS) == builders.revision(restricted, SETTINGS)
+
+
 def _rules_by_port(policy: dict[str, Any]) -> dict[int, list[dict[str, Any]] | None]:
     """Sources admitted per port: None for any source."""
     result: dict[int, list[dict[str, Any]] | None] = {}

@@ -469,6 +469,17 @@ class WorkerSpec(ApiModel):
     device: Literal["auto", "cuda", "cpu"] = Field(
         default="auto", description="Device the worker runs on; `auto` picks cuda when a GPU is visible."
     )
+    egress: Literal["Restricted", "Unrestricted"] = Field(
+        default="Restricted",
+        description=(
+            "What worker pods may connect to (their NetworkPolicy `<group>-workers`): `Restricted` admits the "
+            "group's own worker pods (any port), the group's driver pods (ZMQ ports 5555, 5556) and DNS (port "
+            "53, UDP and TCP, to any address); `Unrestricted` admits any destination. Workers load models from "
+            "local paths only, so nothing built in needs more; an extension that reads from other storage "
+            "needs `Unrestricted`, or a NetworkPolicy of your own that admits that egress (policies add up). "
+            "A change updates the policy in place and rolls no pod."
+        ),
+    )
 
     cross_field_rules = (
         CrossFieldRule(

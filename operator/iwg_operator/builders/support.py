@@ -97,24 +97,53 @@ def _tcp(*ports: int) -> list[Manifest]:
     return [{"port": port, "protocol": "TCP"} for port in ports]
 
 
-def _ingress_policy(group: Group, name: str, component: str, ingress: list[Manifest]) -> Manifest:
+def _policy(
+    group: Group, name: str, component: str, ingress: list[Manifest], egress: list[Manifest] | None = None
+) -> Manifest:
+    """Ingress rules, and egress rules unless None (the policy does not govern egress)."""
     selector = labels.driver_selector if component == labels.COMPONENT_DRIVER else labels.worker_selector
+    spec: Manifest = {
+        "podSelector": {"matchLabels": selector(group.name)},
+        "policyTypes": ["Ingress"] if egress is None else ["Ingress", "Egress"],
+        "ingress": ingress,
+    }
+    if egress is not None:
+        spec["egress"] = egress
     manifest: Manifest = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": metadata(group, name, component),
-        "spec": {
-            "podSelector": {"matchLabels": selector(group.name)},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
+        "spec": spec,
     }
     return with_spec_hash(manifest)
 
 
+DNS_PORT = 53
+
+
+def worker_egress(group: Group) -> list[Manifest]:
+    """Where a worker may connect: the group's workers (collectives open ports chosen at run time, so any
+    port), the group's drivers' ZMQ ports, and DNS.
+
+    DNS goes to port 53 at any address, as the chart's policy for the operator does: a selector of
+    kube-system's `k8s-app: kube-dns` pods would miss a NodeLocal DNSCache (a host-network address) and DNS
+    pods labelled otherwise, and a worker that cannot resolve its rank 0 or its driver never starts.
+    """
+    return [
+        {"to": [{"podSelector": {"matchLabels": labels.worker_selector(group.name)}}]},
+        {
+            "to": [{"podSelector": {"matchLabels": labels.driver_selector(group.name)}}],
+            "ports": _tcp(wiring.DEFAULT_RPC_PORT, wiring.DEFAULT_RESPONSE_PORT),
+        },
+        {"ports": [{"port": DNS_PORT, "protocol": "UDP"}, {"port": DNS_PORT, "protocol": "TCP"}]},
+    ]
+
+
 def network_policy(group: Group, settings: BuildSettings) -> Manifest:
-    """Worker ports admit only the group's own pods (workers, driver) and the operator (prober)."""
-    return _ingress_policy(
+    """Worker ports admit only the group's own pods (workers, driver) and the operator (prober); with
+    spec.worker.egress Restricted (the default) workers reach only `worker_egress`, with Unrestricted
+    anything."""
+    return _policy(
         group,
         network_policy_name(group.name),
         labels.COMPONENT_WORKER,
@@ -122,6 +151,10 @@ def network_policy(group: Group, settings: BuildSettings) -> Manifest:
             {"from": [{"podSelector": {"matchLabels": {labels.GROUP: group.name}}}]},
             {"from": [_operator_peer(settings)], "ports": _tcp(wiring.DEFAULT_HEALTH_PORT)},
         ],
+        # Unrestricted is one empty rule (any destination, any port) rather than no Egress type: the policy
+        # keeps the same fields, so server-side apply replaces the rules both ways (a policy created with
+        # rules keeps them, inert, when an apply merely leaves them out: create owns them, not apply).
+        worker_egress(group) if group.spec.worker.egress == "Restricted" else [{}],
     )
 
 
@@ -130,7 +163,7 @@ def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
     operator (metrics, drains); its ZMQ ports admit only the group's worker pods."""
     http = _tcp(group.spec.driver.port)
     http_from = [peer.to_manifest() for peer in group.spec.driver.network_policy.http_from]
-    return _ingress_policy(
+    return _policy(
         group,
         driver_name(group.name),
         labels.COMPONENT_DRIVER,

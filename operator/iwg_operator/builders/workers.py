@@ -43,7 +43,8 @@ def revision(group: Group, settings: BuildSettings) -> str:
     shaping = {
         "model": spec.model.to_manifest(),
         "worldSize": spec.world_size,
-        "worker": spec.worker.to_manifest(),
+        # Egress is the NetworkPolicy's, applied to running pods in place: not a pod's shape.
+        "worker": {k: v for k, v in spec.worker.to_manifest().items() if k != "egress"},
         "scheduling": spec.scheduling.to_manifest(),
         "health": {
             "period": spec.health.period_seconds,
