@@ -43,6 +43,7 @@ from iwg_worker.engine.front import RequestFront
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import TokenLogprobs
 from iwg_worker.engine.streams import RequestStream
+from iwg_worker.protocol import REPLICA_FAILURE
 from iwg_worker.spawned import mark_spawner
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,14 @@ def prepare_environment(device_type: str, threads: int | None, world_size: int =
       model's next step runs while this process turns the last one's tokens into stream messages; a sharded
       replica's ranks run it in this process (vLLM's external_launcher, which needs the process group the worker
       made).
+    - No usage reports to the vLLM project (VLLM_NO_USAGE_STATS, unless the pod sets it).
     - The threads: OMP_NUM_THREADS where it is set (`iwg serve` shares the machine's cores out among its
       workers), else the worker's CPU budget. With one rank on CPU, vLLM's model process does not pin them
       unless VLLM_CPU_OMP_THREADS_BIND is set (`spec.worker.env`, for pods with cores of their own).
     """
+    # vLLM reports usage to its project from a background thread: not from a worker whose egress is fenced
+    # (spec.worker.egress), nor without the operator of the cluster asking for it.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if world_size > 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
@@ -348,19 +353,20 @@ class VllmEngine(RequestFront):
             except Exception:
                 log.exception("the stream sink failed; %d items lost", len(items))
 
-    def _failed_item(self, request_id: str, message: str) -> dict[str, Any]:
+    def _failed_item(self, request_id: str, message: str, code: str | None = None) -> dict[str, Any]:
         with self._lock:
             stream = self._streams.get(request_id)
         self._forget(request_id)
         if stream is None:
-            return RequestStream.failed_item(request_id, message)
-        return stream.failed(message)
+            return RequestStream.failed_item(request_id, message, code)
+        return stream.failed(message, code)
 
     def _fail_all(self, message: str) -> None:
+        """The engine failed as a whole (its step raised): its requests fail as the replica's failure."""
         self._failed = message
         with self._lock:
             ids = list(self._streams)
-        self._emit([self._failed_item(i, message) for i in ids])
+        self._emit([self._failed_item(i, message, REPLICA_FAILURE) for i in ids])
 
     # -- state -------------------------------------------------------------------------------------------
 
