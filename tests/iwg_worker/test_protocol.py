@@ -257,6 +257,15 @@ def test_a_stream_message_carries_a_steps_items_for_many_requests() -> None:
             "top_logprobs": None,
             "finish_reason": "stop",
         },
+        # a failed request's last item, its replica's failure (the driver may retry it elsewhere)
+        {
+            **_ITEM,
+            "id": "g1-3",
+            "tokens": [],
+            "text": "",
+            "error": "gloo: reset",
+            "error_code": "replica_failure",
+        },
     ]
     message = protocol.decode(_wire(protocol.encode_stream(2, 0, items)))
     assert message == protocol.Stream(replica=2, rank=0, items=items)
@@ -270,6 +279,7 @@ def test_a_stream_message_carries_a_steps_items_for_many_requests() -> None:
         ({**_ITEM, "tokens": [1, "2"]}, "'tokens' must be a list of ints"),
         ({**_ITEM, "text": b"hi"}, "'id' and 'text' must be strings"),
         ({**_ITEM, "finish_reason": 3}, "'finish_reason' must be a string or nil"),
+        ({**_ITEM, "error_code": 3}, "'error_code' must be a string or nil"),
         ({**_ITEM, "logprobs": [1]}, "'logprobs' must be a list of floats"),
         ({**_ITEM, "top_logprobs": [[[5]]]}, "token id, logprob, text"),
         ({**_ITEM, "top_logprobs": [[[5, -0.5]]]}, "token id, logprob, text"),

@@ -157,6 +157,9 @@ Message = Call | Reply | Hello | Goodbye | Ping | Overflow | Stream
 STREAM_ITEM_KEYS: Final = frozenset(
     {"id", "tokens", "text", "logprobs", "token_texts", "top_logprobs", "finish_reason", "error"}
 )
+# A failed request's last item may also say why in a code (``replica_failure``: its replica failed).
+STREAM_ITEM_OPTIONAL_KEYS: Final = frozenset({"error_code"})
+REPLICA_FAILURE: Final = "replica_failure"
 
 _KEYS: Final[dict[str, frozenset[str]]] = {
     "call": frozenset({"kind", "id", "method", "args", "kwargs", "reply_rank", "deadline"}),
@@ -570,15 +573,20 @@ def _build_checked(kind: str, h: dict[str, Any]) -> Message:
 
 
 def _check_stream_item(item: Any) -> None:
-    if not isinstance(item, dict) or item.keys() != STREAM_ITEM_KEYS:
-        raise ProtocolError(f"a stream item must be a map with exactly the keys {sorted(STREAM_ITEM_KEYS)}")
+    if not isinstance(item, dict) or not STREAM_ITEM_KEYS <= item.keys() <= (
+        STREAM_ITEM_KEYS | STREAM_ITEM_OPTIONAL_KEYS
+    ):
+        raise ProtocolError(
+            f"a stream item must be a map with exactly the keys {sorted(STREAM_ITEM_KEYS)}"
+            f" (and optionally {sorted(STREAM_ITEM_OPTIONAL_KEYS)})"
+        )
     if not isinstance(item["id"], str) or not isinstance(item["text"], str):
         raise ProtocolError("stream item 'id' and 'text' must be strings")
     tokens = item["tokens"]
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise ProtocolError("stream item 'tokens' must be a list of ints")
-    for key in ("finish_reason", "error"):
-        if item[key] is not None and not isinstance(item[key], str):
+    for key in ("finish_reason", "error", "error_code"):
+        if item.get(key) is not None and not isinstance(item[key], str):
             raise ProtocolError(f"stream item {key!r} must be a string or nil")
     logprobs = item["logprobs"]
     if logprobs is not None and (

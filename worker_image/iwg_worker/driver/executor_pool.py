@@ -39,7 +39,7 @@ from iwg_worker.executor.base import (
 )
 from iwg_worker.executor.base import MembershipEvent as ExecutorEvent
 from iwg_worker.executor.streams import GenerationStream, StreamFailed
-from iwg_worker.protocol import EncodeError, unencodable
+from iwg_worker.protocol import REPLICA_FAILURE, EncodeError, unencodable
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,9 @@ async def _stream_items(stream: GenerationStream) -> AsyncIterator[dict[str, Any
         async for item in stream:
             yield item
     except StreamFailed as exc:
+        # The worker says its replica failed (its engine as a whole, e.g. a lost rank), not the request.
+        if exc.code == REPLICA_FAILURE:
+            raise ReplicaFailure(str(exc), reason="engine_failed") from exc
         raise BatchFailure(str(exc)) from exc
     except (ReplicaLostError, RuntimeError) as exc:
         raise ReplicaFailure(str(exc)) from exc

@@ -69,6 +69,12 @@ class DriverMetrics:
         self.retries = Counter(
             "iwg_batch_retries", "Batches retried on another replica after their replica failed", registry=r
         )
+        self.request_retries = Counter(
+            "iwg_request_retries",
+            "Generation requests started again on another replica after theirs failed before any output",
+            ["reason"],
+            registry=r,
+        )
         self.replica_failures = Counter(
             "iwg_replica_failures", "Batches whose replica died or timed out", ["replica"], registry=r
         )

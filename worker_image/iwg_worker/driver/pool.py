@@ -50,7 +50,15 @@ ItemOutcome = ItemResult | InputRejected
 
 
 class ReplicaFailure(Exception):
-    """The replica died, left or did not answer in time: the batch may be retried on another replica."""
+    """The replica died, left or did not answer in time: the batch may be retried on another replica.
+    ``reason`` says how it showed (the label of ``iwg_request_retries_total``): ``replica_lost`` (the executor
+    lost it, or it did not answer), ``engine_failed`` (its engine failed every request it ran, e.g. a
+    collective whose peer rank died: the worker's ``replica_failure`` code), ``engine_unavailable`` (its
+    engine refused new work: stopping or failed)."""
+
+    def __init__(self, message: str, reason: str = "replica_lost") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class BatchFailure(Exception):

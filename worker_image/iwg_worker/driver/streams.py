@@ -6,7 +6,13 @@ its engine and yields the engine's items as they come. What may happen to a requ
 
 - the engine refuses it (prompt beyond the context, a token id outside the vocabulary, ...): `ApiError` 400
   naming the field, for this request alone;
-- its replica dies before the request produced anything: it is started again on another replica, once;
+- its replica fails before the request produced anything: it is started again on another replica, once
+  (``iwg_request_retries_total{reason}``), or fails with 503 and ``Retry-After`` when no other replica serves.
+  A replica failure is the executor losing the replica (a rank's process or heartbeats gone), or the worker
+  saying so: a failed item whose ``error_code`` is ``replica_failure`` (its engine failed as a whole, e.g. an
+  all-reduce whose peer rank died, which often arrives before the executor notices the rank is gone), or an
+  answer refusing with code ``unavailable`` (its engine stopped). Any other engine error is this request's
+  own: a 500, not retried;
 - its replica dies after it produced tokens: it fails with a clear error (tokens a client has seen cannot be
   taken back, so it is not silently restarted elsewhere);
 - its deadline passes, or its reader goes away (client disconnected, the handler was cancelled): it is
@@ -74,7 +80,7 @@ class GenerationService:
         started = time.monotonic()
         deadline = started + self.timeout_s
         tried: frozenset[int] = frozenset()
-        last_error: Exception | None = None
+        last_error: ReplicaFailure | None = None
         for _attempt in range(2):
             replica = self.router.pick(tried, respect_limit=False)
             if replica is None and not tried:
@@ -82,6 +88,9 @@ class GenerationService:
                 replica = self.router.pick(tried, respect_limit=False)
             if replica is None:
                 break
+            if last_error is not None:  # the first replica failed before any output: this is the retry
+                log.warning("retrying a generation request on replica %d after: %s", replica, last_error)
+                self.metrics.request_retries.labels(reason=last_error.reason).inc()
             tried = tried | {replica}
             with self.router.claim(replica):
                 try:
@@ -92,6 +101,13 @@ class GenerationService:
                     continue
                 if not answer.get("ok"):
                     error = answer.get("error") or {}
+                    if error.get("code") == "unavailable":  # its engine stopped or failed: not the request's
+                        last_error = ReplicaFailure(
+                            f"replica {replica}: {error.get('message', 'its engine is unavailable')}",
+                            reason="engine_unavailable",
+                        )
+                        self.metrics.replica_failures.labels(replica=str(replica)).inc()
+                        continue
                     raise ApiError(
                         400,
                         f"{error.get('message', 'the request was refused')}.",
@@ -130,7 +146,6 @@ class GenerationService:
                             f"replica {replica} failed after this request produced output: {exc}"
                         ) from None
                     last_error = exc
-                    log.warning("retrying a generation request on another replica after: %s", exc)
                     self.metrics.retries.inc()
                     continue
                 except BatchFailure as exc:

@@ -30,12 +30,13 @@ from typing import Any
 
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import OutputRouter
+from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus, OutputRouter
 
 from iwg_worker.engine.front import RequestFront
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import PARAMS_KEY, RequestSampler, TokenLogprobs, sampler_list
 from iwg_worker.engine.streams import RequestStream
+from iwg_worker.protocol import REPLICA_FAILURE
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ CPU_DEFAULT_MAX_BYTES = 2 * 1024**3
 CPU_DEFAULT_MAX_BLOCKS = 4096  # a small model's blocks are small: no more than this many by default
 CPU_DEFAULT_BATCH_TOKENS = 1024
 START_TIMEOUT_S = 120.0
+# How often the engine's loop is checked for having ended (see `GenerationEngine._watch_loop`).
+WATCH_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class GenerationEngine(RequestFront):
         self.manager.output_router = _StepOutputs(self)
         self.manager.start()
         self._wait_started()
+        threading.Thread(target=self._watch_loop, name="engine-watch", daemon=True).start()
 
     def _wait_started(self) -> None:
         """The engine's thread sizes and allocates the cache first: wait for that, so that a cache that
@@ -211,7 +215,11 @@ class GenerationEngine(RequestFront):
 
     def _next_item(self, stream: RequestStream, output: Any) -> dict[str, Any] | None:
         if output.error is not None:
-            return stream.failed(f"the engine failed this request: {output.error}")
+            # transformers fails a request on its own (nothing stops), or every request when its step raised
+            # (a collective whose peer rank died, ...) and its loop stops: then the replica failed, not this
+            # request, and the driver may run it elsewhere.
+            code = REPLICA_FAILURE if self._engine_stopping() else None
+            return stream.failed(f"the engine failed this request: {output.error}", code)
         take = None
         if stream.request.params.logprobs or stream.request.params.top_logprobs:
             request_id = output.request_id
@@ -223,6 +231,35 @@ class GenerationEngine(RequestFront):
         if stop_now:  # a stop string: the engine would go on
             self.manager.cancel_request(output.request_id)
         return item
+
+    def _watch_loop(self) -> None:
+        """When the engine's loop ends (a step raised, e.g. an all-reduce whose peer rank died; or it was
+        stopped), fail every request still open as the replica's failure. transformers fails the requests it
+        holds, but not those it had taken off its input queue for the step that raised: they would wait for the
+        executor to notice the lost rank, seconds later."""
+        while self.manager.is_running():
+            time.sleep(WATCH_INTERVAL_S)
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        if not streams:
+            return
+        error = self.manager.background_thread_status.fatal_error
+        reason = f"the engine stopped: {type(error).__name__}: {error}" if error else "the engine stopped"
+        log.warning("%s; failing its %d open request(s)", reason, len(streams))
+        items = [stream.failed(reason, REPLICA_FAILURE) for stream in streams]
+        for stream in streams:
+            self.sampler.forget(stream.request.request_id)
+        if self._sink is not None:
+            try:
+                self._sink(items)
+            except Exception:
+                log.exception("the stream sink failed; %d items lost", len(items))
+
+    def _engine_stopping(self) -> bool:
+        """Whether the engine's loop is stopping (a step raised, or it was asked to stop)."""
+        status = getattr(self.manager, "background_thread_status", None)
+        return status is not None and int(status.local_status) != BackgroundThreadStatus.DONT_STOP
 
     # -- state -------------------------------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ tokens so far into the next stream item (a msgpack map, the wire's ``stream`` it
 - ``logprobs``: per returned token its logprob, ``token_texts`` its own text (special tokens spelt out, as the
   client's logprobs name them) and, when asked, ``top_logprobs`` ``[[id, logprob, text], ...]``; all three nil
   unless the request asked for logprobs.
+- a failed request's last item carries ``error`` (the reason) and ``error_code``: ``replica_failure`` when the
+  engine failed as a whole (its step raised, e.g. a collective whose peer rank died, or it is stopping), so
+  the driver may run the request again on another replica; nil when this request alone failed.
 """
 
 from __future__ import annotations
@@ -116,13 +119,14 @@ class RequestStream:
             self._settled_tokens, self._settled_text = len(generated), text
         return text
 
-    def failed(self, message: str) -> dict[str, Any]:
+    def failed(self, message: str, code: str | None = None) -> dict[str, Any]:
         self.finished = True
-        return self.failed_item(self.request.request_id, message)
+        return self.failed_item(self.request.request_id, message, code)
 
     @staticmethod
-    def failed_item(request_id: str, message: str) -> dict[str, Any]:
-        """The last item of a request that failed: no tokens, the reason in ``error``."""
+    def failed_item(request_id: str, message: str, code: str | None = None) -> dict[str, Any]:
+        """The last item of a request that failed: no tokens, the reason in ``error``, ``error_code``
+        ``replica_failure`` when the replica failed rather than the request."""
         return {
             "id": request_id,
             "tokens": [],
@@ -132,6 +136,7 @@ class RequestStream:
             "top_logprobs": None,
             "finish_reason": None,
             "error": message,
+            "error_code": code,
         }
 
     def _tokens_for(self, generated: list[int], chars: int) -> int:

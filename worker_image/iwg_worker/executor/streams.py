@@ -19,7 +19,12 @@ from typing import Any
 
 
 class StreamFailed(RuntimeError):
-    """The worker ended the request with an error (the engine failed it)."""
+    """The worker ended the request with an error (the engine failed it). ``code`` is the item's
+    ``error_code``: ``replica_failure`` when the replica failed (its engine as a whole), not the request."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class GenerationStream:
@@ -46,7 +51,7 @@ class GenerationStream:
                 raise item
             if item["error"] is not None:
                 self.done = True
-                raise StreamFailed(item["error"])
+                raise StreamFailed(item["error"], item.get("error_code"))
             self.done = item["finish_reason"] is not None
             yield item
 
