@@ -263,15 +263,19 @@ def _rules_by_port(policy: dict[str, Any]) -> dict[int, list[dict[str, Any]] | N
     return result
 
 
-def test_driver_network_policy_admits_http_from_anywhere_and_zmq_from_the_groups_workers() -> None:
+def test_driver_network_policy_admits_http_from_its_namespace_and_zmq_from_the_groups_workers() -> None:
     manifest = builders.driver_network_policy(group(driver={"port": 9000}), SETTINGS)
     assert manifest["metadata"]["name"] == "g-driver"
     policy = manifest["spec"]
     assert policy["podSelector"]["matchLabels"] == labels.driver_selector("g")
     assert policy["policyTypes"] == ["Ingress"]
     workers = [{"podSelector": {"matchLabels": labels.worker_selector("g")}}]
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "iwg-system"}},
+        "podSelector": {"matchLabels": labels.OPERATOR_POD_LABELS},
+    }
     assert _rules_by_port(policy) == {
-        9000: None,
+        9000: [{"podSelector": {}}, operator],  # the pods of the group's own namespace, and the operator
         wiring.DEFAULT_RPC_PORT: workers,
         wiring.DEFAULT_RESPONSE_PORT: workers,
     }

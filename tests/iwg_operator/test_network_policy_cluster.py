@@ -81,3 +81,33 @@ def test_worker_egress_is_fenced_and_unrestricted_opens_it_without_rolling_pods(
     )
     assert {p.metadata.uid for p in groups.pods("fence")} == uids, "egress is no pod's shape: nothing rolled"
     groups.delete("fence")
+
+
+def test_driver_http_admits_the_groups_namespace_by_default_and_http_from_widens_it(
+    groups: Groups, operator: Any, k8s: Any
+) -> None:
+    """The driver's HTTP port is not open to every namespace unless the spec says so (issue 30, item 11)."""
+    networking = client.NetworkingV1Api(k8s)
+
+    def http_sources() -> Any:
+        try:
+            stored = networking.read_namespaced_network_policy("door-driver", groups.namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        rules = client.ApiClient().sanitize_for_serialization(stored.spec.ingress)
+        return [rule.get("from") for rule in rules if {"port": 8000, "protocol": "TCP"} in rule["ports"]]
+
+    operator_peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "iwg-system"}},
+        "podSelector": {"matchLabels": dict(labels.OPERATOR_POD_LABELS)},
+    }
+    groups.create("door", replicas=0)
+    # Every rule names its sources (a rule without `from` admits any source): the pods of the group's own
+    # namespace (a podSelector without namespaceSelector), and the operator's pods.
+    eventually(lambda: http_sources() == [[{"podSelector": {}}], [operator_peer]], what="the driver policy")
+    everywhere = {"namespaceSelector": {}}
+    groups.patch("door", {"driver": {"networkPolicy": {"httpFrom": [everywhere]}}})
+    eventually(lambda: http_sources() == [[everywhere], [operator_peer]], what="httpFrom applied")
+    groups.delete("door")

@@ -624,7 +624,9 @@ class DriverNetworkPolicySpec(ApiModel):
         default_factory=list,
         max_length=32,
         description=(
-            "Sources admitted to the HTTP port, besides the operator (metrics, drains); empty admits any source."
+            "Sources admitted to the HTTP port, besides the operator (metrics, drains); empty admits the pods of"
+            " the group's own namespace only. Other namespaces: a namespaceSelector (`{}` for all of them);"
+            " addresses outside the cluster: an ipBlock."
         ),
     )
 

@@ -158,9 +158,13 @@ def network_policy(group: Group, settings: BuildSettings) -> Manifest:
     )
 
 
+# A peer without namespaceSelector: the pods of the policy's own namespace.
+SAME_NAMESPACE_PEER: Manifest = {"podSelector": {}}
+
+
 def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
-    """The driver's HTTP port admits spec.driver.networkPolicy.httpFrom (any source when empty) and the
-    operator (metrics, drains); its ZMQ ports admit only the group's worker pods."""
+    """The driver's HTTP port admits spec.driver.networkPolicy.httpFrom (when empty: the pods of the group's own
+    namespace) and the operator (metrics, drains); its ZMQ ports admit only the group's worker pods."""
     http = _tcp(group.spec.driver.port)
     http_from = [peer.to_manifest() for peer in group.spec.driver.network_policy.http_from]
     return _policy(
@@ -168,8 +172,8 @@ def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
         driver_name(group.name),
         labels.COMPONENT_DRIVER,
         [
-            {"from": http_from, "ports": http} if http_from else {"ports": http},
-            *([{"from": [_operator_peer(settings)], "ports": http}] if http_from else []),
+            {"from": http_from or [SAME_NAMESPACE_PEER], "ports": http},
+            {"from": [_operator_peer(settings)], "ports": http},
             {
                 "from": [{"podSelector": {"matchLabels": labels.worker_selector(group.name)}}],
                 "ports": _tcp(wiring.DEFAULT_RPC_PORT, wiring.DEFAULT_RESPONSE_PORT),
