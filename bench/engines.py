@@ -201,7 +201,9 @@ def start_iwg(
     worker["gpus"] = 1 if args.device == "cuda" else 0
     path = tmp / f"group-{engine}.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    env = {**server_env(args), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"}
+    sources = [str(ROOT / "operator"), str(ROOT / "worker_image"), str(ROOT)]
+    inherited = os.environ.get("PYTHONPATH")  # packages installed by path (a GPU machine's carried wheels)
+    env = {**server_env(args), "PYTHONPATH": os.pathsep.join(sources + ([inherited] if inherited else []))}
     name = f"iwg-{engine}"
     if inprocess:  # vLLM's engine core in the worker's process (its workers inherit iwg serve's environment)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
