@@ -59,6 +59,13 @@ def test_curve_key_files_errors_name_the_file(tmp_path: Path) -> None:
     (keys / wiring.CURVE_PUBLIC_FILE).write_bytes(CurveKeys.generate().public)
     with pytest.raises(ValueError, match="does not match"):
         CurveKeys.load(tmp_path)
+    # The two-keypair form: each side reads the other's public key from peer.pub; a bad one is named.
+    driver, worker = CurveKeys.generate_pair()
+    assert CurveKeys.load(worker.save(tmp_path / "worker")) == worker
+    assert worker.peer_public == driver.public and driver.peer_public == worker.public
+    (tmp_path / "worker" / wiring.CURVE_PEER_FILE).write_bytes(b"~" * 40)
+    with pytest.raises(ValueError, match=r"peer\.pub is not a Z85 key"):
+        CurveKeys.load(tmp_path / "worker")
 
 
 def test_cluster_executor_refuses_tcp_without_keys_and_non_tcp_endpoints() -> None:

@@ -32,7 +32,7 @@ from iwg_worker.executor import MembershipEvent, ReplicaLostError, RPCError, RPC
 from iwg_worker.executor.cluster import ClusterExecutor
 from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker, worker_env
 from iwg_worker.executor.uniproc import UniProcExecutor
-from iwg_worker.security import CurveKeys
+from iwg_worker.security import CurveKeys, make_client
 from iwg_worker.worker_base import WorkerConfig
 
 from .conftest import SENTENCES
@@ -70,7 +70,9 @@ def multiproc_embed(minilm_path: str, cluster_launched: Cluster) -> Iterator[Mul
 @dataclass
 class Cluster:
     executor: ClusterExecutor
-    keys: CurveKeys
+    keys: CurveKeys  # the driver's: its keypair and the workers' public key
+    worker_keys: CurveKeys  # the workers': their keypair and the driver's public key
+    curve_dir: Path  # the workers' keys, as their pods mount them
     processes: dict[int, subprocess.Popen[bytes]]
     logs: dict[int, Path]
     events: list[MembershipEvent]
@@ -80,8 +82,9 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster_launched(minilm_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
-    keys = CurveKeys.generate()
-    curve_dir = keys.save(root / "curve")
+    # Distinct keypairs, as the operator's Secret gives them: the driver's and the workers'.
+    keys, worker_keys = CurveKeys.generate_pair()
+    curve_dir = worker_keys.save(root / "curve")
     executor = ClusterExecutor(
         "tcp://127.0.0.1:0",
         "tcp://127.0.0.1:0",
@@ -115,7 +118,7 @@ def cluster_launched(minilm_path: str, tmp_path_factory: pytest.TempPathFactory)
         logs[replica] = root / f"worker-{replica}.log"
         processes[replica] = launch_worker(env, logs[replica])
     try:
-        yield Cluster(executor, keys, processes, logs, events, callback_threads)
+        yield Cluster(executor, keys, worker_keys, curve_dir, processes, logs, events, callback_threads)
     finally:
         for proc in processes.values():
             if proc.poll() is None:
@@ -233,16 +236,17 @@ def test_cluster_membership_and_concurrent_per_replica_calls(cluster: Cluster) -
     assert slow_done_when_fast_returned is False
 
 
-def test_peer_without_the_group_key_is_refused(cluster: Cluster) -> None:
+def test_peer_without_the_workers_key_is_refused_by_the_driver(cluster: Cluster) -> None:
+    """The driver admits the workers' key only: another key, the driver's own keypair (with one keypair for
+    every process, what the driver would have admitted) and no CURVE at all are refused."""
     executor = cluster.executor
     assert executor._zap is not None
     refused_before = executor._zap.refused
     members_before = {(m.replica, m.rank): m.routing_id for m in executor.members()}
     context = zmq.Context()
-    rogue_key = CurveKeys.generate()
     sockets = []
     try:
-        for keys in (rogue_key, None):  # another CURVE key; no CURVE at all
+        for keys in (CurveKeys.generate(), cluster.keys, None):  # another key; the driver's; no CURVE
             dealer = context.socket(zmq.DEALER)
             push = context.socket(zmq.PUSH)
             dealer.routing_id = b"rogue"
@@ -259,12 +263,53 @@ def test_peer_without_the_group_key_is_refused(cluster: Cluster) -> None:
         time.sleep(4 * HEARTBEAT_S)
         assert {(m.replica, m.rank): m.routing_id for m in executor.members()} == members_before
         assert not any(s.poll(0) for s in sockets if s.type == zmq.DEALER)
-        assert executor._zap.refused >= refused_before + 2
+        assert executor._zap.refused >= refused_before + 4  # two sockets each for the two CURVE keys
     finally:
         for sock in sockets:
             sock.close(linger=0)
         context.term()
     assert executor.collective_rpc("echo", (1,), replica=0, timeout=30) == [[1]]
+
+
+def test_a_worker_takes_no_driver_holding_the_workers_key(cluster: Cluster, minilm_path: str) -> None:
+    """What a compromised worker holds (the workers' keypair and the driver's public key) cannot pose as the
+    driver: a real worker linked to a driver bound with the workers' keypair never completes the CURVE
+    handshake, so that driver gets no hello, no member and no call through. (With one keypair for every
+    process the worker's keypair was the driver's, and this driver got the worker.)"""
+    worker = cluster.worker_keys
+    rogue = ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        keys=CurveKeys(public=worker.public, secret=worker.secret, peer=worker.public),
+        group="g",
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    log = cluster.logs[0].parent / "worker-rogue.log"
+    config = WorkerConfig(task="none", model_path=minilm_path, device="cpu", group="g", replica=0)
+    env = worker_env(
+        config,
+        rogue.rpc_endpoint,
+        rogue.response_endpoint,
+        curve_dir=str(cluster.curve_dir),
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    process = launch_worker(env, log)
+    try:
+        deadline = time.monotonic() + 120
+        # The worker opened its link and waited three heartbeats for a ping that never came (or, were the key
+        # accepted, joined the rogue driver).
+        while (
+            "no driver has reached this worker" not in log.read_text(errors="replace") and not rogue.members()
+        ):
+            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        assert rogue.members() == []
+        assert not rogue.serving_replicas()
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+        rogue.shutdown()
 
 
 def _send_raw(executor: ClusterExecutor, replica: int, frames: list[bytes]) -> None:
@@ -326,8 +371,7 @@ def test_malformed_frames_to_the_driver_are_dropped(cluster: Cluster) -> None:
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.linger = 0
-    push.curve_secretkey, push.curve_publickey = cluster.keys.secret, cluster.keys.public
-    push.curve_serverkey = cluster.keys.public
+    make_client(push, cluster.worker_keys)
     push.connect(cluster.executor.response_endpoint)
     try:
         for frames in ([pickle.dumps(os.system)], [os.urandom(64)], [b"\x81\xa4kind\xa5reply"]):

@@ -19,11 +19,14 @@ POD_IP: Final = "IWG_POD_IP"
 RPC_ENDPOINT: Final = "IWG_RPC_ENDPOINT"  # driver -> workers: requests (rpc_broadcast_mq)
 RESPONSE_ENDPOINT: Final = "IWG_RESPONSE_ENDPOINT"  # workers -> driver: hello, replies, heartbeats
 
-# CURVE: a directory holding the group's keypair as `curve.key` (secret, Z85) and `curve.pub` (public, Z85),
-# mounted from the group's Secret. Every peer holds the same pair; any other key is refused.
+# CURVE: a directory mounted from the group's Secret holding the process's own keypair as `curve.key` (secret,
+# Z85) and `curve.pub` (public, Z85), and the other side's public key as `peer.pub`: the driver's pods get the
+# driver's pair and the workers' public key, worker pods the workers' pair and the driver's public key. Any
+# other key is refused. Without `peer.pub` every process holds the same pair (the one-keypair form).
 CURVE_DIR: Final = "IWG_CURVE_DIR"
 CURVE_SECRET_FILE: Final = "curve.key"
 CURVE_PUBLIC_FILE: Final = "curve.pub"
+CURVE_PEER_FILE: Final = "peer.pub"
 
 # Liveness of the ZMQ link: workers and driver send heartbeats this often; a peer silent for
 # HEARTBEAT_MISSES intervals is gone.

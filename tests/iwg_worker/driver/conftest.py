@@ -187,14 +187,16 @@ def wire_group(
     from iwg_worker.security import CurveKeys
     from iwg_worker.worker_base import WorkerConfig
 
-    curve = CurveKeys.generate().save(tmp / "curve")
+    # Distinct keypairs, as the operator's Secret gives them: the drivers' directory and the workers'.
+    driver_keys, worker_keys = CurveKeys.generate_pair()
+    driver_curve, curve = driver_keys.save(tmp / "curve-driver"), worker_keys.save(tmp / "curve")
     token = tmp / "admin-token"
     token.write_text(ADMIN_TOKEN)
     base = {**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}"}
     driver_envs, urls = [], []
     for _ in range(drivers):
         rpc, response, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
-        env = _driver_env(base, name, bound, heartbeat_s, rpc, response, http, curve, token)
+        env = _driver_env(base, name, bound, heartbeat_s, rpc, response, http, driver_curve, token)
         if generate:
             env |= {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "smollm2"}
         driver_envs.append(env)

@@ -83,7 +83,7 @@ class RemoteExecutor(Executor):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_interval_s * heartbeat_misses
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._zap = ZapAuthenticator(self._context, keys.public) if keys is not None else None
+        self._zap = ZapAuthenticator(self._context, keys.peer_public) if keys is not None else None
         self._rpc = self._context.socket(zmq.ROUTER)
         self._rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._rpc.setsockopt(zmq.ROUTER_HANDOVER, 1)
