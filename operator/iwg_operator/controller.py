@@ -118,6 +118,8 @@ class GroupState:
     repairs_done: int = 0
     # The data of the group's deleted Secret, to put back as it was.
     lost_secret: Mapping[str, str] | None = None
+    # (the group's rotate-keys value, keys_digest) of the Secret last read or written; None: not read yet
+    keys: tuple[str, str] | None = None
     # (plural, name) -> (desired spec hash, fingerprint): what an apply left that still differs from the manifest
     # (another manager's item in a list the operator sets); not written again while it stays so.
     accepted_drift: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
@@ -214,6 +216,8 @@ class Controller:
             state = self.groups[key] = GroupState(key=key, body=body)
         else:
             state.see(body)
+        if state.group is not None and state.keys is not None and state.keys[0] != _rotation(body):
+            self._wake(state)  # `rotate-keys` set or changed: new keys, every pod rolled
         return state.decided_generation != _generation(body)
 
     def accept(self, body: Mapping[str, Any], group: builders.Group) -> None:
@@ -313,7 +317,12 @@ class Controller:
     def _children_hash(self, state: GroupState, group: builders.Group) -> str:
         if state.hashed is None or state.hashed[0] is not group:
             digest = stable_hash(
-                {"spec": group.spec.to_manifest(), "uid": group.uid, "settings": repr(self.settings)}
+                {
+                    "spec": group.spec.to_manifest(),
+                    "uid": group.uid,
+                    "settings": repr(self.settings),
+                    "keys": group.keys,
+                }
             )
             state.hashed = (group, digest)
         return state.hashed[1]
@@ -399,14 +408,24 @@ class Controller:
         PDB, ConfigMap).
         The client's request scheduler keeps the same order across all groups.
         """
+        assert state.group is not None
+        # A group no operator has reconciled yet has no children: create them without looking first.
+        fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
+        failure: str | None = None
+        keys_due = state.keys is None or state.keys[0] != _rotation(state.body)
+        if keys_due:
+            # The keys the pods mount (and whose hash they carry) come first: read once, or made anew.
+            try:
+                await self._ensure_secret(state, state.group, fresh)
+            except ReconcileRefused as error:
+                failure = str(error)  # pods would mount keys that are not the group's: create none
+        if state.keys is not None and state.group.keys != state.keys[1]:
+            state.group = dataclasses.replace(state.group, keys=state.keys[1])  # a new spec, the keys known
         group = state.group
-        assert group is not None
         children_hash = self._children_hash(state, group)
         # Unchanged spec and no child deleted or edited: no child is even looked at.
         repairs = state.repairs_due
         children_due = state.children_hash != children_hash or repairs != state.repairs_done
-        # A group no operator has reconciled yet has no children: create them without looking first.
-        fresh = not state.current_status.get("observedGeneration") and not state.children_attempted
         state.children_attempted = state.children_attempted or children_due
         desired = planning.Desired(
             replicas=group.spec.replicas,
@@ -423,14 +442,14 @@ class Controller:
             planning.loose_replicas(self._pods(state.key), desired.revision) if gang_served else frozenset()
         )
         gang_plan = planning.plan_gang(desired, gang_served, pod_groups, plan, loose)
-        failure: str | None = None
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
         await self._undrain_kept(state, group)
         # New pods mount the Secret and must be fenced by the NetworkPolicies: before creating any, a group
         # that is not new looks at those too, in case their deletion has not reached the watch yet.
-        if children_due or (plan.create and not fresh):
+        if failure is None and (children_due or (plan.create and not fresh)):
             try:
-                await self._ensure_secret(state, group, fresh)
+                if not keys_due:
+                    await self._ensure_secret(state, group, fresh)
                 await self._ensure_network_policy(state, group, fresh)
                 if gang_served:
                     await self._ensure_workload(group, fresh)
@@ -792,27 +811,51 @@ class Controller:
             raise
 
     async def _ensure_secret(self, state: GroupState, group: builders.Group, fresh: bool) -> None:
-        """The CURVE keypair and admin token, generated once. A Secret deleted by hand comes back with the data
-        it had (the watch showed it), so running pods and new ones keep sharing one keypair."""
+        """The driver's and the workers' CURVE keypairs and the admin token, made once per `rotate-keys` value
+        of the group. A Secret deleted by hand comes back with the data it had (the watch showed it), so running
+        pods and new ones keep their keys; one in the one-keypair form of earlier versions, or made for another
+        `rotate-keys` value, is replaced by new keys (delete, then create: it is immutable). Its public keys'
+        hash goes on the group (`state.keys`), so pods built from then on carry it and a change rolls them."""
         name = secret_name(group.name)
+        rotation = _rotation(state.body)
         current = None if fresh else await self.kube.get(SECRETS, group.namespace, name)
-        if current is None:
-            public_key, secret_key = zmq.curve_keypair()
-            manifest = builders.curve_secret(group, public_key, secret_key, secrets.token_urlsafe(32))
-            if state.lost_secret and set(state.lost_secret) >= set(manifest["data"]):
-                manifest["data"] = {key: state.lost_secret[key] for key in manifest["data"]}
+        for _ in range(2):  # a create that finds one (409) looks at it as if it had been read first
+            if current is not None:
+                _check_owner(current, group, "Secret")
+                if builders.secret_is_current(current, rotation):
+                    break
+                log.info("%s/%s: new CURVE keys (%s); the pods roll", *state.key,
+                         "rotate-keys" if rotation else "one keypair for driver and workers before")  # fmt: skip
+                await self.kube.delete(SECRETS, group.namespace, name, current["metadata"].get("uid"))
+            driver, worker = zmq.curve_keypair(), zmq.curve_keypair()
+            manifest = builders.curve_secret(group, driver, worker, secrets.token_urlsafe(32), rotation)
+            lost = state.lost_secret
+            if (
+                lost
+                and set(lost) >= set(manifest["data"])
+                and state.keys
+                and builders.keys_digest(dict(lost)) == state.keys[1]
+            ):
+                manifest["data"] = {key: lost[key] for key in manifest["data"]}
             try:
                 await self.kube.create(SECRETS, group.namespace, manifest)
-                state.lost_secret = None
-                return
             except ApiError as error:
                 if error.status != 409:
                     if error.refusal:
                         raise _refused("Secret", name, error) from error
                     raise
-            current = await self.kube.get(SECRETS, group.namespace, name)
-        if current is not None:
-            _check_owner(current, group, "Secret")  # keys are generated once, never rotated by a reconcile
+                current = await self.kube.get(SECRETS, group.namespace, name)
+                continue
+            state.lost_secret = None
+            current = manifest
+            break
+        if current is None:
+            return  # deleted meanwhile: the watch shows it, the next pass makes it
+        digest = builders.keys_digest(dict(current.get("data") or {}))
+        changed = state.keys is not None and state.keys[1] != digest
+        state.keys = (rotation, digest)
+        if changed:
+            self._wake(state)  # pods of this pass were planned with the keys before
 
     async def _ensure_child(
         self,
@@ -967,6 +1010,11 @@ class Controller:
 def _key(body: Mapping[str, Any]) -> GroupKey:
     metadata = body.get("metadata", {})
     return str(metadata.get("namespace")), str(metadata.get("name"))
+
+
+def _rotation(body: Mapping[str, Any]) -> str:
+    """The group's `rotate-keys` annotation: the keys it asks for ("": never rotated)."""
+    return str((body.get("metadata", {}).get("annotations") or {}).get(labels.ROTATE_KEYS, ""))
 
 
 def _generation(body: Mapping[str, Any]) -> int:

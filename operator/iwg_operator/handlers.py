@@ -66,12 +66,16 @@ def _bind(controller: Controller, indices: Mapping[str, Any]) -> None:
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The group as the controller keeps it: a copy without managedFields and annotations (never read)."""
+    """The group as the controller keeps it: a copy without managedFields and annotations (never read), but
+    for `rotate-keys`."""
     plain = copy.deepcopy({key: value for key, value in body.items() if key != "metadata"})
     metadata = body.get("metadata", {})
     plain["metadata"] = copy.deepcopy(
         {key: value for key, value in metadata.items() if key not in ("managedFields", "annotations")}
     )
+    rotation = (metadata.get("annotations") or {}).get(labels.ROTATE_KEYS)
+    if rotation is not None:
+        plain["metadata"]["annotations"] = {labels.ROTATE_KEYS: str(rotation)}
     return plain
 
 

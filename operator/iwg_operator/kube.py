@@ -77,7 +77,8 @@ RESOURCE_VERBS: dict[Resource, tuple[str, ...]] = {
     # The children: watched by Kopf (list, watch) so that one deleted or edited by hand is repaired.
     SERVICES: ("get", "list", "watch", "create", "patch"),
     CONFIG_MAPS: ("get", "list", "watch", "create", "patch"),
-    SECRETS: ("get", "list", "watch", "create"),
+    # delete: new keys (rotate-keys, or the one-keypair form of earlier versions) replace the immutable Secret
+    SECRETS: ("get", "list", "watch", "create", "delete"),
     EVENTS: ("create",),
     DEPLOYMENTS: ("get", "list", "watch", "create", "patch"),
     NETWORK_POLICIES: ("get", "list", "watch", "create", "patch"),

@@ -23,6 +23,11 @@ REVISION: Final = f"{PREFIX}/revision"
 # Annotation holding the hash of a child's desired manifest: equal hash, no write.
 SPEC_HASH: Final = f"{PREFIX}/spec-hash"
 WORLD_SIZE_ANNOTATION: Final = f"{PREFIX}/world-size"
+# On a group: set or change it (any value, e.g. the time) and the operator makes new CURVE keys and a new admin
+# token and rolls every pod. On the group's Secret: the value its keys were made for.
+ROTATE_KEYS: Final = f"{PREFIX}/rotate-keys"
+# On worker pods and the driver's pod template: a hash of the public keys they mount, so new keys roll them.
+KEYS: Final = f"{PREFIX}/keys"
 
 APP_NAME: Final = "iwg"
 MANAGER: Final = "iwg-operator"

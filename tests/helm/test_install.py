@@ -227,6 +227,9 @@ class Workload:
         # NetworkPolicies, two PDBs (workers', drivers').
         return len(items) == 9 and all(h and h != "edited" for h in hashes)
 
+    def secret_data(self) -> dict[str, str]:
+        return dict(self.core.read_namespaced_secret(f"{self.name}-curve", self.ns).data or {})
+
     def gone(self) -> bool:
         try:
             self.group()
@@ -266,6 +269,18 @@ def _run_operator_through_a_scenario(
         control_plane.kubectl("scale", "-n", workload_ns, f"iwg/{workload.name}", "--replicas=1")
         eventually(lambda: workload.running(1), 60, "scaled down to 1")
         eventually(workload.children_repaired, 60, "the edited children repaired")
+        # Key rotation as docs/operations.md says it: new keys (the Secret replaced), every pod rolled.
+        before = workload.secret_data()
+        control_plane.kubectl(
+            "annotate",
+            "-n",
+            workload_ns,
+            f"iwg/{workload.name}",
+            "inference.iwg.dev/rotate-keys=1",
+            "--overwrite",
+        )
+        eventually(lambda: workload.secret_data() != before, 60, "new keys")
+        eventually(lambda: workload.running(1), 60, "rolled onto the new keys")
         # The autoscaler brings replicas within new bounds (through the scale subresource), metrics or not.
         workload.patch({"autoscaling": {"minReplicas": 2}})
         eventually(lambda: workload.running(2), 60, "the autoscaler raised replicas to minReplicas")

@@ -85,7 +85,7 @@ def group_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
         builders.driver_network_policy(group, settings),
         builders.pod_disruption_budget(group),
         builders.config_map(group, settings),
-        builders.curve_secret(group, b"p" * 40, b"s" * 40, "token"),
+        builders.curve_secret(group, (b"p" * 40, b"s" * 40), (b"q" * 40, b"t" * 40), "token"),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import Any
 
 import pytest
@@ -198,14 +199,42 @@ def test_headless_service_selects_workers_before_ready() -> None:
     assert all(pod_labels[k] == v for k, v in service["spec"]["selector"].items())
 
 
-def test_curve_secret_holds_a_real_keypair_and_is_immutable() -> None:
-    public, secret = zmq.curve_keypair()
-    manifest = builders.curve_secret(group(), public, secret, "token")
+def test_curve_secret_holds_two_keypairs_and_each_pod_mounts_its_side_only() -> None:
+    driver, worker = zmq.curve_keypair(), zmq.curve_keypair()
+    manifest = builders.curve_secret(group(), driver, worker, "token", rotation="2026-12-04")
     assert manifest["immutable"] is True
-    data = manifest["data"]
-    assert zmq.curve_public(base64.b64decode(data[wiring.CURVE_SECRET_FILE])) == base64.b64decode(
-        data[wiring.CURVE_PUBLIC_FILE]
-    )
+    assert manifest["metadata"]["annotations"] == {labels.ROTATE_KEYS: "2026-12-04"}
+    assert builders.secret_is_current(manifest, "2026-12-04") and not builders.secret_is_current(manifest, "")
+    data = {key: base64.b64decode(value) for key, value in manifest["data"].items()}
+    assert (data["driver.pub"], data["driver.key"]) == driver and (
+        data["worker.pub"],
+        data["worker.key"],
+    ) == worker
+    # The one-keypair form of earlier versions is not current: the operator replaces it.
+    old = {"metadata": {}, "data": {"curve.pub": "x", "curve.key": "y", "admin.token": "z"}}
+    assert not builders.secret_is_current(old, "")
+
+    keyed = dataclasses.replace(group(), keys=builders.keys_digest(manifest["data"]))
+    pod = builders.worker_pod(keyed, 0, 0, SETTINGS)
+    driver_pod = builders.driver_deployment(keyed)["spec"]["template"]
+    mounted = {}
+    for name, template in (("worker", pod), ("driver", driver_pod)):
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "curve"]
+        mounted[name] = {item["key"]: item["path"] for item in volume["secret"]["items"]}
+        assert template["metadata"]["annotations"][labels.KEYS] == keyed.keys
+    assert mounted["worker"] == {
+        "worker.key": wiring.CURVE_SECRET_FILE,
+        "worker.pub": wiring.CURVE_PUBLIC_FILE,
+        "driver.pub": wiring.CURVE_PEER_FILE,
+    }
+    assert mounted["driver"] == {
+        "driver.key": wiring.CURVE_SECRET_FILE,
+        "driver.pub": wiring.CURVE_PUBLIC_FILE,
+        "worker.pub": wiring.CURVE_PEER_FILE,
+        "admin.token": "admin.token",
+    }
+    # Other keys, another revision: the pods roll.
+    assert builders.revision(keyed, SETTINGS) != builders.revision(group(), SETTINGS)
 
 
 def test_network_policy_admits_group_and_operator_only() -> None:

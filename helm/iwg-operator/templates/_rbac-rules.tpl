@@ -23,7 +23,8 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
 # The group's children: driver Deployment, Services, CURVE Secret, ConfigMap, NetworkPolicy, PDB. Watched
 # (filtered by the label app.kubernetes.io/managed-by=iwg-operator on the server) so that one deleted or edited
 # by hand is repaired; list and watch on Secrets let the operator read every Secret of these namespaces, as
-# get already does by name.
+# get already does by name. Secrets are deleted only to replace a group's keys (rotate-keys, or the one-keypair
+# Secret of an earlier version): the Secret is immutable.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
@@ -32,7 +33,7 @@ Rules in every namespace the operator handles. None is cluster-scoped: Kopf runs
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, list, watch, create]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch]

@@ -1,6 +1,6 @@
 """Pure builders: (group spec, observed state) -> the Kubernetes objects the group should own."""
 
-from iwg_operator.builders.common import BuildSettings, Group, Manifest, pod_name
+from iwg_operator.builders.common import BuildSettings, Group, Manifest, keys_digest, pod_name
 from iwg_operator.builders.driver import (
     driver_deployment,
     driver_disruption_budget,
@@ -15,6 +15,7 @@ from iwg_operator.builders.support import (
     headless_service,
     network_policy,
     pod_disruption_budget,
+    secret_is_current,
 )
 from iwg_operator.builders.workers import revision, worker_pod
 
@@ -30,12 +31,14 @@ __all__ = [
     "driver_service",
     "drivers_service",
     "headless_service",
+    "keys_digest",
     "network_policy",
     "pod_disruption_budget",
     "pod_group",
     "pod_group_name",
     "pod_name",
     "revision",
+    "secret_is_current",
     "worker_pod",
     "workload",
     "workload_name",

@@ -15,6 +15,12 @@ Manifest = dict[str, Any]
 
 CURVE_MOUNT = "/etc/iwg/curve"
 ADMIN_TOKEN_KEY = "admin.token"
+# The group's Secret: the driver's keypair, the workers' keypair (Z85) and the driver's admin token. Each pod
+# mounts its own pair as curve.key / curve.pub and the other side's public key as peer.pub (wiring).
+DRIVER_SECRET_KEY = "driver.key"
+DRIVER_PUBLIC_KEY = "driver.pub"
+WORKER_SECRET_KEY = "worker.key"
+WORKER_PUBLIC_KEY = "worker.pub"
 CONFIG_KEY = "group.json"
 # The worker image's user and group (`USER 65532:65532` in worker_image/Dockerfile), as the chart runs the
 # operator image: the pods run as the user the image's files were made for.
@@ -30,6 +36,7 @@ class Group:
     uid: str
     spec: api.InferenceWorkerGroupSpec
     generation: int = 1
+    keys: str = ""  # hash of the public keys in the group's Secret (`keys_digest`); "" before it is read
 
     @property
     def served_name(self) -> str:
@@ -116,6 +123,29 @@ def metadata(group: Group, name: str, component: str, extra_labels: dict[str, st
 def stable_hash(value: object, length: int = 10) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def keys_digest(data: dict[str, str]) -> str:
+    """A hash of the public keys in a Secret's data (base64 values): what pods carry, so new keys roll them.
+    Public keys only: the hash says nothing of a secret key."""
+    return stable_hash({key: data.get(key) for key in (DRIVER_PUBLIC_KEY, WORKER_PUBLIC_KEY)})
+
+
+def curve_volume(group: Group, items: list[tuple[str, str]]) -> Manifest:
+    """The group's Secret as a volume holding only `items` ((Secret key, file) pairs): a pod sees the keys of
+    its own side and never the other side's secret key."""
+    return {
+        "name": "curve",
+        "secret": {
+            "secretName": secret_name(group.name),
+            "defaultMode": 0o440,
+            "items": [{"key": key, "path": path} for key, path in items],
+        },
+    }
+
+
+def keys_annotations(group: Group) -> dict[str, str]:
+    return {labels.KEYS: group.keys} if group.keys else {}
 
 
 def with_spec_hash(manifest: Manifest) -> Manifest:

@@ -9,19 +9,23 @@ from iwg_operator.api.v1alpha1 import MAX_REPLICAS
 from iwg_operator.builders.common import (
     ADMIN_TOKEN_KEY,
     CURVE_MOUNT,
+    DRIVER_PUBLIC_KEY,
+    DRIVER_SECRET_KEY,
+    WORKER_PUBLIC_KEY,
     Group,
     Manifest,
+    curve_volume,
     driver_name,
     driver_pdb_name,
     drivers_service_name,
     field_env,
+    keys_annotations,
     metadata,
     model_env,
     model_volume,
     resources,
     restricted_container_security,
     restricted_pod_security,
-    secret_name,
     service,
     tmp_volume,
     with_spec_hash,
@@ -110,7 +114,7 @@ def driver_deployment(group: Group) -> Manifest:
             else {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels.driver_selector(group.name)},
             "template": {
-                "metadata": {"labels": pod_labels},
+                "metadata": {"labels": pod_labels, "annotations": keys_annotations(group)},
                 "spec": {
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
@@ -120,10 +124,15 @@ def driver_deployment(group: Group) -> Manifest:
                     "containers": [container],
                     "volumes": [
                         tmp_volume(spec.driver.tmp_size),
-                        {
-                            "name": "curve",
-                            "secret": {"secretName": secret_name(group.name), "defaultMode": 0o440},
-                        },
+                        curve_volume(
+                            group,
+                            [
+                                (DRIVER_SECRET_KEY, wiring.CURVE_SECRET_FILE),
+                                (DRIVER_PUBLIC_KEY, wiring.CURVE_PUBLIC_FILE),
+                                (WORKER_PUBLIC_KEY, wiring.CURVE_PEER_FILE),
+                                (ADMIN_TOKEN_KEY, ADMIN_TOKEN_KEY),
+                            ],
+                        ),
                         *model_volumes,
                     ],
                 },

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from iwg_operator import labels
 from iwg_operator.api import wiring
 from iwg_operator.builders.common import (
     ADMIN_TOKEN_KEY,
     CONFIG_KEY,
+    DRIVER_PUBLIC_KEY,
+    DRIVER_SECRET_KEY,
+    WORKER_PUBLIC_KEY,
+    WORKER_SECRET_KEY,
     BuildSettings,
     Group,
     Manifest,
@@ -45,24 +51,48 @@ def headless_service(group: Group) -> Manifest:
     )
 
 
-def curve_secret(group: Group, public_key: bytes, secret_key: bytes, admin_token: str) -> Manifest:
-    """The group's CURVE keypair (Z85) and the driver's admin token. Immutable: never rotated by accident."""
+def curve_secret(
+    group: Group,
+    driver: tuple[bytes, bytes],
+    worker: tuple[bytes, bytes],
+    admin_token: str,
+    rotation: str = "",
+) -> Manifest:
+    """The driver's and the workers' CURVE keypairs ((public, secret), Z85) and the driver's admin token.
+    Immutable: new keys (a rotation, `rotation` being the group's `rotate-keys` value they are made for) come
+    in a new Secret."""
 
     def encode(value: bytes) -> str:
         return base64.b64encode(value).decode()
 
-    return {
+    manifest: Manifest = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": metadata(group, secret_name(group.name), labels.COMPONENT_WORKER),
         "type": "Opaque",
         "immutable": True,
         "data": {
-            wiring.CURVE_PUBLIC_FILE: encode(public_key),
-            wiring.CURVE_SECRET_FILE: encode(secret_key),
+            DRIVER_PUBLIC_KEY: encode(driver[0]),
+            DRIVER_SECRET_KEY: encode(driver[1]),
+            WORKER_PUBLIC_KEY: encode(worker[0]),
+            WORKER_SECRET_KEY: encode(worker[1]),
             ADMIN_TOKEN_KEY: encode(admin_token.encode()),
         },
     }
+    if rotation:
+        manifest["metadata"]["annotations"] = {labels.ROTATE_KEYS: rotation}
+    return manifest
+
+
+def secret_is_current(secret: Mapping[str, Any], rotation: str) -> bool:
+    """Whether a stored Secret has both keypairs (not the one-keypair form of earlier versions) and was made for
+    the group's `rotate-keys` value."""
+    data = secret.get("data") or {}
+    made_for = (secret.get("metadata", {}).get("annotations") or {}).get(labels.ROTATE_KEYS, "")
+    has_keys = all(
+        data.get(k) for k in (DRIVER_PUBLIC_KEY, DRIVER_SECRET_KEY, WORKER_PUBLIC_KEY, WORKER_SECRET_KEY)
+    )
+    return has_keys and made_for == rotation
 
 
 def config_map(group: Group, settings: BuildSettings) -> Manifest:

@@ -9,12 +9,17 @@ from iwg_operator import labels
 from iwg_operator.api import wiring
 from iwg_operator.builders.common import (
     CURVE_MOUNT,
+    DRIVER_PUBLIC_KEY,
+    WORKER_PUBLIC_KEY,
+    WORKER_SECRET_KEY,
     BuildSettings,
     Group,
     Manifest,
+    curve_volume,
     driver_host,
     field_env,
     headless_service_name,
+    keys_annotations,
     metadata,
     model_env,
     model_volume,
@@ -23,7 +28,6 @@ from iwg_operator.builders.common import (
     resources,
     restricted_container_security,
     restricted_pod_security,
-    secret_name,
     stable_hash,
     tmp_volume,
 )
@@ -53,6 +57,8 @@ def revision(group: Group, settings: BuildSettings) -> str:
         },
         "domain": settings.cluster_domain,
     }
+    if group.keys:
+        shaping["keys"] = group.keys  # new keys (a rotation) roll the pods
     return stable_hash(shaping)
 
 
@@ -139,7 +145,7 @@ def worker_pod(
         labels.COMPONENT_WORKER,
         {labels.REPLICA: str(replica), labels.RANK: str(rank), labels.REVISION: rev},
     )
-    meta["annotations"] = {labels.WORLD_SIZE_ANNOTATION: str(spec.world_size)}
+    meta["annotations"] = {labels.WORLD_SIZE_ANNOTATION: str(spec.world_size), **keys_annotations(group)}
     model_volumes, model_mounts = model_volume(group)
     health = spec.health
     http_get = {"port": HEALTH_PORT_NAME, "scheme": "HTTP"}
@@ -197,17 +203,14 @@ def worker_pod(
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.worker.shm_size}},
             tmp_volume(spec.worker.tmp_size),
-            {
-                "name": "curve",
-                "secret": {
-                    "secretName": secret_name(group.name),
-                    "defaultMode": 0o440,
-                    "items": [
-                        {"key": wiring.CURVE_SECRET_FILE, "path": wiring.CURVE_SECRET_FILE},
-                        {"key": wiring.CURVE_PUBLIC_FILE, "path": wiring.CURVE_PUBLIC_FILE},
-                    ],
-                },
-            },
+            curve_volume(
+                group,
+                [
+                    (WORKER_SECRET_KEY, wiring.CURVE_SECRET_FILE),
+                    (WORKER_PUBLIC_KEY, wiring.CURVE_PUBLIC_FILE),
+                    (DRIVER_PUBLIC_KEY, wiring.CURVE_PEER_FILE),
+                ],
+            ),
             *model_volumes,
         ],
     }
