@@ -212,7 +212,7 @@ async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret()
     await ctl.reconcile(state)
     applied = {name for verb, plural, name in kube.writes() if verb == "apply"}
     assert applied == {"g-driver", "g-config"}, kube.writes()
-    assert kube.objects[("secrets", "g-curve")] == secret, "keys are never rotated"
+    assert kube.objects[("secrets", "g-curve")] == secret, "a spec change makes no new keys"
 
 
 async def test_invalid_spec_is_marked_once() -> None:
