@@ -215,6 +215,44 @@ async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret()
     assert kube.objects[("secrets", "g-curve")] == secret, "a spec change makes no new keys"
 
 
+async def test_rotate_keys_replaces_the_secret_once_per_value_and_wakes_the_group() -> None:
+    """A new `rotate-keys` value (set, changed, or removed) makes new keys and rolls the pods; the same value
+    again does nothing."""
+    kube = RecordingKube()
+    ctl = controller(kube)
+    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
+    ctl.groups[state.key] = state
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+
+    async def annotate(value: str | None) -> tuple[bool, bool, bool]:
+        """(the loop woken, the Secret replaced, a pod deleted) for the group annotated with `value`."""
+        annotated = copy.deepcopy(state.body)
+        annotated["metadata"]["annotations"] = (
+            {} if value is None else {"inference.iwg.dev/rotate-keys": value}
+        )
+        state.trigger.clear()
+        ctl.observe_group(annotated)
+        woken = state.trigger.is_set()
+        kube.calls.clear()
+        await ctl.reconcile(state)
+        replaced = ("delete", "secrets", "g-curve") in kube.calls and (
+            "create",
+            "secrets",
+            "g-curve",
+        ) in kube.calls
+        return woken, replaced, any(c[:2] == ("delete", "pods") for c in kube.calls)
+
+    before = kube.objects[("secrets", "g-curve")]["data"]
+    assert await annotate("2026-12-04") == (True, True, True)
+    after = kube.objects[("secrets", "g-curve")]
+    assert after["data"]["driver.pub"] != before["driver.pub"]
+    assert after["metadata"]["annotations"] == {"inference.iwg.dev/rotate-keys": "2026-12-04"}
+    await ctl.reconcile(state)  # the replacement pods
+    assert await annotate("2026-12-04") == (False, False, False)
+    assert await annotate(None) == (True, True, True)
+
+
 async def test_invalid_spec_is_marked_once() -> None:
     kube = RecordingKube()
     ctl = controller(kube)
