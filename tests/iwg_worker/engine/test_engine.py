@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from iwg_worker.engine.front import render_chat
 
 from tests.iwg_worker.engine.conftest import Collector, Engine, chat_ids, make_engine
 
@@ -79,6 +80,47 @@ def test_greedy_tokens_of_16_concurrent_prompts_equal_transformers_generate(
         assert collector.text(request_id) == reference[1].decode(expected, skip_special_tokens=True)
         # An end-of-sequence token stops the request, also when it is the last one allowed.
         assert collector.finish(request_id) == ("stop" if expected[-1] in eng.eos_token_ids else "length")
+
+
+def test_prompts_sharing_a_long_prefix_reuse_its_cache_and_decode_as_generate_does(
+    engine: tuple[Engine, Collector], reference: tuple[Any, Any]
+) -> None:
+    """Prefix caching on: a later prompt's leading full blocks come from an earlier request's cache (the engine
+    counts them as hits), and its greedy tokens are still transformers' own."""
+    eng, collector = engine
+    system = "You answer briefly. " + " ".join(f"Rule {i}: use plain words, no lists." for i in range(30))
+    prompts = [
+        render_chat(reference[1], [{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in QUESTIONS[:4]
+    ]
+    shared = next(i for i, tokens in enumerate(zip(*prompts, strict=False)) if len(set(tokens)) > 1)
+    block = int(eng.stats()["block_size"])
+    assert shared >= 2 * block  # at least two full blocks in common
+    before = eng.stats()
+    add(eng, {"id": "prefix-0", "prompt_ids": prompts[0], "max_tokens": 8, "temperature": 0.0})
+    collector.wait(["prefix-0"])
+    ids = [f"prefix-{i}" for i in range(1, len(prompts))] + ["prefix-again"]
+    add(
+        eng,
+        *(
+            {"id": i, "prompt_ids": p, "max_tokens": 8, "temperature": 0.0}
+            for i, p in zip(ids, [*prompts[1:], prompts[0]], strict=True)
+        ),
+    )
+    collector.wait(ids)
+    for request_id, prompt in zip(["prefix-0", *ids], [*prompts, prompts[0]], strict=True):
+        assert collector.tokens(request_id) == greedy_reference(reference, prompt, 8), request_id
+    deadline = time.monotonic() + 10  # vLLM's counts arrive with its stat logger, after the step
+    while True:
+        after = eng.stats()
+        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        if hits >= len(ids) * (shared // block) * block or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert hits >= len(ids) * (shared // block) * block
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] >= sum(map(len, prompts)) + len(
+        prompts[0]
+    )
 
 
 def test_the_france_question_is_answered_paris(

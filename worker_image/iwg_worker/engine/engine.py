@@ -10,7 +10,11 @@ offloaded and resumed later. This class adds what serving needs around it:
 - every step's new tokens of every running request leave as ONE list of stream items handed to the sink (the
   worker's output path sends it as one ``stream`` message), with stop strings found while decoding;
 - cancelling a request frees its cache blocks at the next step;
-- the counts a scheduler and an autoscaler read: running, waiting, KV-cache usage.
+- prefix caching (transformers' block sharing): a prompt's full blocks already in the cache, from a request
+  running or finished, are shared instead of computed again (finished requests' blocks stay cached until the
+  cache needs the room); the prompt tokens looked up and found are counted as vLLM counts them;
+- the counts a scheduler and an autoscaler read: running, waiting, KV-cache usage, prefix-cache queries and
+  hits.
 
 Sharded over a replica's ranks (tensor parallel), the engine runs on every rank and every step runs on all of
 them together: transformers' engine makes the replica's rank 0 its driver, which alone admits and cancels
@@ -94,7 +98,7 @@ class GenerationEngine(RequestFront):
             use_async_batching=False,
             auto_switch_to_flash=False,
             scheduler_type="fifo",
-            allow_block_sharing=False,
+            allow_block_sharing=True,
         )
         generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
             do_sample=False,  # RequestSampler decides every token; the engine takes its one-hot rows
@@ -106,6 +110,9 @@ class GenerationEngine(RequestFront):
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._sink: StreamSink | None = None
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of them, found
+        self._looked_up: set[str] = set()  # requests already counted (a request may be looked up again)
         self.manager: Any = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=self.cb_config
         )
@@ -115,6 +122,7 @@ class GenerationEngine(RequestFront):
         self.manager.output_router = _StepOutputs(self)
         self.manager.start()
         self._wait_started()
+        self._count_prefix_matches(self.manager.batch_processor.cache)
         threading.Thread(target=self._watch_loop, name="engine-watch", daemon=True).start()
 
     def _wait_started(self) -> None:
@@ -127,6 +135,25 @@ class GenerationEngine(RequestFront):
                 error = self.manager.background_thread_status.fatal_error
                 raise RuntimeError(f"the generation engine did not start: {error or 'timed out'}")
             time.sleep(0.01)
+
+    def _count_prefix_matches(self, cache: Any) -> None:
+        """Count each request's prefix-cache lookup (its prompt tokens) and match (the tokens shared), once per
+        request: transformers looks a waiting request up again at every step it could not be scheduled, and
+        counts nothing itself. Its scheduler calls ``cache.search_prefix_match`` on the engine's thread."""
+        search = cache.search_prefix_match
+
+        def counted(request_id: str, prompt_ids: list[int]) -> int:
+            matched = int(search(request_id, prompt_ids))
+            with self._lock:
+                if request_id not in self._looked_up:
+                    self._looked_up.add(request_id)
+                    self.prefix_queries += len(prompt_ids)
+                if matched:
+                    self.prefix_hits += matched
+            return matched
+
+        if getattr(cache, "use_prefix_sharing", False):
+            cache.search_prefix_match = counted
 
     @staticmethod
     def _bytes_per_block(text_config: Any, page_size: int) -> int:
@@ -180,6 +207,7 @@ class GenerationEngine(RequestFront):
         for request_id in request_ids:
             with self._lock:
                 stream = self._streams.pop(request_id, None)
+                self._looked_up.discard(request_id)
             if stream is not None:
                 cancelled += 1
                 self.manager.cancel_request(request_id)
@@ -206,6 +234,7 @@ class GenerationEngine(RequestFront):
             if stream.finished:
                 with self._lock:
                     self._streams.pop(output.request_id, None)
+                    self._looked_up.discard(output.request_id)
                 self.sampler.forget(output.request_id)
         if items and self._sink is not None:
             try:
@@ -287,6 +316,9 @@ class GenerationEngine(RequestFront):
             "kv_cache_blocks_used": used,
             "kv_cache_blocks_total": total,
             "kv_cache_usage": used / total if total else 0.0,
+            "block_size": self.cb_config.page_size,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
             "engine_running": self.running,
         }
 

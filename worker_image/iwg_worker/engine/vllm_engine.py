@@ -184,6 +184,7 @@ class VllmEngine(RequestFront):
         self._blocks_total = (
             int(self.llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1
         )  # less the null block
+        self._block_size = int(self.llm.vllm_config.cache_config.block_size)
         self._parameter_bytes: int | None = None
         self._streams: dict[str, RequestStream] = {}
         self._generated: dict[str, list[int]] = {}
@@ -392,6 +393,7 @@ class VllmEngine(RequestFront):
             "kv_cache_blocks_used": round(usage * self._blocks_total),
             "kv_cache_blocks_total": self._blocks_total,
             "kv_cache_usage": usage,
+            "block_size": self._block_size,
             "prefix_cache_queries": self._recorder.prefix_queries,
             "prefix_cache_hits": self._recorder.prefix_hits,
             "engine_running": self.running,
