@@ -101,3 +101,36 @@ def test_the_driver_learns_the_vocabulary_from_the_model_path_it_can_see(minilm_
     # A model the driver's pod does not mount: ids are bounded by the wire's int32 only.
     assert driver_config_from_env({**base, wiring.MODEL_PATH: "/models/elsewhere"}).vocab_size is None
     assert driver_config_from_env(base).vocab_size is None
+
+
+def test_the_drivers_routing_comes_from_the_group_and_a_bad_policy_names_the_variable() -> None:
+    from iwg_operator.api.v1alpha1 import InferenceWorkerGroup
+    from iwg_operator.builders.driver import driver_env
+    from iwg_worker.driver.main import ConfigError, driver_config_from_env
+
+    base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
+    assert (driver_config_from_env(base).routing_policy, driver_config_from_env(base).load_bound) == (
+        "cacheAware",
+        0.25,
+    )
+    manifest = {
+        "apiVersion": "inference.iwg.dev/v1alpha1",
+        "kind": "InferenceWorkerGroup",
+        "metadata": {"name": "g", "namespace": "ns"},
+        "spec": {
+            "model": {"task": "generate", "path": "/models/m"},
+            "worker": {"image": "example.com/w:1"},
+            "driver": {"routing": {"policy": "leastLoaded", "loadBound": 0.5}},
+        },
+    }
+    env = {
+        e["name"]: e["value"]
+        for e in driver_env(InferenceWorkerGroup.model_validate(manifest))
+        if "value" in e
+    }
+    config = driver_config_from_env({**base, **env})
+    assert (config.routing_policy, config.load_bound) == ("leastLoaded", 0.5)
+    with pytest.raises(ConfigError, match=wiring.ROUTING_POLICY):
+        driver_config_from_env({**base, wiring.ROUTING_POLICY: "random"})
+    with pytest.raises(ConfigError, match=wiring.ROUTING_LOAD_BOUND):
+        driver_config_from_env({**base, wiring.ROUTING_LOAD_BOUND: "-1"})

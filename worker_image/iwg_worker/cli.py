@@ -288,6 +288,8 @@ async def _serve_http(
         max_queue=batching.max_queue,
         vocab_size=vocab_size(model_path),
         context_length=context_length(model_path),
+        routing_policy=group.spec.driver.routing.policy,
+        load_bound=group.spec.driver.routing.load_bound,
     )
     driver = Driver(config, ExecutorPool(executor))
     port = group.spec.driver.port if args.port is None else args.port

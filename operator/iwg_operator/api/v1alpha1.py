@@ -617,6 +617,30 @@ class NetworkPolicyPeer(ApiModel):
     )
 
 
+class RoutingSpec(ApiModel):
+    """How the driver picks a replica for each generation request (task `generate`; embedding batches always
+    go to the least-loaded replica)."""
+
+    policy: Literal["cacheAware", "leastLoaded"] = Field(
+        default="cacheAware",
+        description=(
+            "cacheAware: the replica expected to hold the longest cached prefix of the prompt (the driver "
+            "remembers the prompt blocks it sent to each replica), bounded by loadBound; a prompt whose prefix "
+            "no replica holds goes to the replica that rendezvous hashing of its first block picks, so that "
+            "every driver sends it to the same one. leastLoaded: the replica with the fewest open requests."
+        ),
+    )
+    load_bound: float = Field(
+        default=0.25,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "cacheAware: no replica is given a request that would put it above ceil((1 + loadBound) x the mean "
+            "open requests per serving replica); the next replica in its order takes it instead."
+        ),
+    )
+
+
 class DriverNetworkPolicySpec(ApiModel):
     """The driver's NetworkPolicy."""
 
@@ -665,6 +689,9 @@ class DriverSpec(ApiModel):
     )
     tmp_size: Quantity = Field(default=DEFAULT_DRIVER_TMP_SIZE, description=TMP_SIZE_DESCRIPTION)
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Request batching.")
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec, description="Routing of generation requests to replicas."
+    )
     network_policy: DriverNetworkPolicySpec = Field(
         default_factory=DriverNetworkPolicySpec,
         description="Who may reach the driver; its ZMQ ports admit only the group's worker pods.",

@@ -81,6 +81,8 @@ MAX_BATCH_SIZE: Final = "IWG_MAX_BATCH_SIZE"
 MAX_WAIT_MS: Final = "IWG_MAX_WAIT_MS"
 MAX_QUEUE: Final = "IWG_MAX_QUEUE"
 ADMIN_TOKEN_FILE: Final = "IWG_ADMIN_TOKEN_FILE"
+ROUTING_POLICY: Final = "IWG_ROUTING_POLICY"  # generate: cacheAware | leastLoaded
+ROUTING_LOAD_BOUND: Final = "IWG_ROUTING_LOAD_BOUND"  # cacheAware: epsilon of the load bound
 
 # Ports the operator opens on pods and Services.
 DEFAULT_RPC_PORT: Final = 5555

@@ -60,6 +60,8 @@ def driver_env(group: Group) -> list[Manifest]:
         {"name": wiring.MAX_BATCH_SIZE, "value": str(batching.max_batch_size)},
         {"name": wiring.MAX_WAIT_MS, "value": str(batching.max_wait_ms)},
         {"name": wiring.MAX_QUEUE, "value": str(batching.max_queue)},
+        {"name": wiring.ROUTING_POLICY, "value": spec.driver.routing.policy},
+        {"name": wiring.ROUTING_LOAD_BOUND, "value": str(spec.driver.routing.load_bound)},
         *model_env(group),
         {"name": "HOME", "value": "/tmp"},
     ]

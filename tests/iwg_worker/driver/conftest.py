@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,15 +118,20 @@ def start_smollm2(
     kv_blocks: int | None = None,
     world_size: int = 1,
     engine: str = "transformers",
+    replicas: int = 1,
+    spec: dict[str, Any] | None = None,
 ) -> Served:
     """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory,
-    on the engine named; returns once it is ready. The caller stops it (`stop(served.process)`)."""
+    on the engine named, with `spec` merged over the manifest's top-level spec fields; returns once it is
+    ready. The caller stops it (`stop(served.process)`)."""
     import yaml
 
     from tests.models import smollm2_manifest
 
     manifest = smollm2_manifest(kv_blocks, engine)
     manifest["spec"]["worldSize"] = world_size
+    manifest["spec"]["replicas"] = replicas
+    manifest["spec"].update(spec or {})
     (tmp / "group.yaml").write_text(yaml.safe_dump(manifest))
     port = free_port()
     log = tmp / "serve.log"

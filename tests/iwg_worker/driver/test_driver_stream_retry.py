@@ -103,7 +103,9 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
 
 @pytest.fixture
 async def client(group: Group) -> AsyncIterator[tuple[TestClient[Any, Any], Driver]]:
-    driver = Driver(DriverConfig(served_name="smollm2", task="generate"), ExecutorPool(group.executor))
+    # Least-loaded: an idle driver sends the first request to replica 0 (cacheAware would hash the prompt).
+    config = DriverConfig(served_name="smollm2", task="generate", routing_policy="leastLoaded")
+    driver = Driver(config, ExecutorPool(group.executor))
     driver.start()
     async with TestClient(TestServer(build_app(driver))) as test_client:
         yield test_client, driver

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from iwg_operator.api import wiring
 from iwg_worker.executor.multiproc import launch_worker
 
 from tests.iwg_worker.driver.conftest import ADMIN_TOKEN, STARTUP_TIMEOUT_S, stop, wait_http, wire_group
@@ -39,6 +40,9 @@ async def until(check: Any, timeout: float, what: str) -> None:
 
 def test_a_driver_routes_around_a_replica_that_another_drivers_requests_fill(tmp_path: Path) -> None:
     wired = wire_group(tmp_path, "share", replicas=2, bound=2, heartbeat_s=0.5, drivers=2, generate=True)
+    # Strictly the fewest open requests (cacheAware would allow up to ceil(1.25 x mean) on replica 0).
+    for env in wired.driver_envs:
+        env[wiring.ROUTING_POLICY] = "leastLoaded"
     drivers = [wired.start_driver(i) for i in (0, 1)]
     workers = [launch_worker(wired.worker_envs[r], tmp_path / f"worker-{r}.log") for r in (0, 1)]
     try:

@@ -6,6 +6,7 @@
 - model: IWG_MODEL_TASK (embed | generate), IWG_SERVED_NAME
 - HTTP: IWG_HTTP_PORT (8000), IWG_HTTP_HOST (all interfaces)
 - batching: IWG_MAX_BATCH_SIZE (32), IWG_MAX_WAIT_MS (5), IWG_MAX_QUEUE (1024)
+- routing of generation requests: IWG_ROUTING_POLICY (cacheAware | leastLoaded), IWG_ROUTING_LOAD_BOUND (0.25)
 - admin: IWG_ADMIN_TOKEN_FILE (a file holding the bearer token; the admin API is off without it)
 """
 
@@ -63,6 +64,11 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
         raise ConfigError(f"environment variable {wiring.SERVED_NAME} (or {wiring.GROUP}) is required")
     max_batch_size = _int(env, wiring.MAX_BATCH_SIZE, 32, minimum=1)
     model_dir = _model_dir(env.get(wiring.MODEL_PATH, ""))
+    policy = env.get(wiring.ROUTING_POLICY) or "cacheAware"
+    if policy not in ("cacheAware", "leastLoaded"):
+        raise ConfigError(
+            f"environment variable {wiring.ROUTING_POLICY} must be cacheAware or leastLoaded, got {policy!r}"
+        )
     return DriverConfig(
         vocab_size=vocab_size(model_dir) if model_dir else None,
         context_length=context_length(model_dir) if model_dir else None,
@@ -71,6 +77,8 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
         max_batch_size=max_batch_size,
         max_wait_ms=_float(env, wiring.MAX_WAIT_MS, 5.0),
         max_queue=_int(env, wiring.MAX_QUEUE, 1024, minimum=1),
+        routing_policy=policy,  # type: ignore[arg-type]  # checked above
+        load_bound=_float(env, wiring.ROUTING_LOAD_BOUND, 0.25),
     )
 
 

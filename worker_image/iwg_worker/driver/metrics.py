@@ -111,6 +111,31 @@ class DriverMetrics:
             registry=r,
         )
 
+        self.routing_decisions = Counter(
+            "iwg_routing_decisions",
+            "Generation requests routed to each replica, by why: prefix (it holds the longest cached prefix), "
+            "hash (no replica holds one: rendezvous hashing of the first block), bound (the preferred replica "
+            "was at the load bound), least_loaded (policy leastLoaded)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.routing_table_blocks = Gauge(
+            "iwg_routing_table_blocks",
+            "Prompt block hashes the driver remembers for a replica (cache-aware routing)",
+            ["replica"],
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens the engines looked up in their prefix caches (vLLM's name)",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens the engines found in their prefix caches (vLLM's name)",
+            registry=r,
+        )
+
         # The model-server signals the Gateway API Inference Extension's endpoint picker reads, under vLLM's names.
         self.vllm_running = Gauge(
             "vllm:num_requests_running", "Requests in the engines' running batches", registry=r

@@ -1,4 +1,5 @@
-"""Routing batches to replicas: least loaded first, one retry on another replica, drain.
+"""Routing batches to replicas: least loaded first, one retry on another replica, drain; generation requests
+by cached prefix, bounded by load (`pick_generation`).
 
 "Load" is what this driver has in flight on a replica plus, for generation, the requests other drivers have
 on it: with several drivers every worker serves all of them, so a driver counting only its own streams would
@@ -9,6 +10,14 @@ driver's own count on that replica belongs to the other drivers.
 Every queued input's future is resolved exactly once, here: with its result, or with the error that ended
 its batch. A reply that arrives after its batch was given up on is dropped by the pool (replies are matched
 by request id), so no input is answered twice.
+
+Cache-aware routing (policy ``cacheAware``, generation requests): the replica expected to hold the longest
+prefix of the prompt (`PrefixTable`: what this driver sent where) among those under the load bound: no replica
+takes a request that would put it above ``ceil((1 + load_bound) x mean)`` open requests (the mean counting
+this one). With no prefix held anywhere, the replicas are ranked by rendezvous hashing of the prompt's first
+block, so every driver sends a new conversation to the same replica; ties of equal prefixes are broken the
+same way. A replica that dies or is drained leaves the table at once. ``leastLoaded``: the fewest open
+requests, as for batches.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 from iwg_worker.driver.batcher import QueuedItem
 from iwg_worker.driver.metrics import DriverMetrics
@@ -31,8 +42,11 @@ from iwg_worker.driver.pool import (
     ReplicaPool,
     ReplicaState,
 )
+from iwg_worker.driver.prefix import DEFAULT_BLOCK_SIZE, PrefixTable, PromptBlocks, rendezvous_weight
 
 log = logging.getLogger(__name__)
+
+RoutingPolicy = Literal["cacheAware", "leastLoaded"]
 
 
 class NoReplica(Exception):
@@ -48,6 +62,9 @@ class Router:
         max_inflight_per_replica: int = 2,
         batch_timeout_s: float = 60.0,
         no_replica_grace_s: float = 5.0,
+        policy: RoutingPolicy = "cacheAware",
+        load_bound: float = 0.25,
+        table: PrefixTable | None = None,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
@@ -60,6 +77,10 @@ class Router:
         self._draining: set[int] = set()
         self._changed = asyncio.Event()
         self._batch_seconds = 0.05  # running estimate, for Retry-After
+        self.policy: RoutingPolicy = policy
+        self.load_bound = load_bound
+        self.table = table or PrefixTable()
+        self.block_size = DEFAULT_BLOCK_SIZE  # the engines', once a replica reported it
         pool.add_listener(self._on_membership)
         for replica in self._states:
             self._publish(replica)
@@ -101,6 +122,7 @@ class Router:
             # A drained replica that left ends its drain: when its index comes back (a scale-up), it serves.
             self._draining.discard(event.replica)
             self._elsewhere.pop(event.replica, None)
+            self._forget(event.replica)
         if previous is not event.state:
             log.info("replica %d: %s -> %s %s", event.replica, previous, event.state.value, event.reason)
         self._publish(event.replica)
@@ -125,13 +147,53 @@ class Router:
         ]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (self._inflight.get(r, 0) + self._elsewhere.get(r, 0), r))
+        return min(candidates, key=lambda r: (self._load(r), r))
 
-    def observe_engine(self, replica: int, open_requests: int) -> None:
+    def _load(self, replica: int) -> int:
+        return self._inflight.get(replica, 0) + self._elsewhere.get(replica, 0)
+
+    def pick_generation(
+        self, blocks: PromptBlocks | None, exclude: frozenset[int] = frozenset()
+    ) -> int | None:
+        """The replica for a generation request whose prompt has `blocks` (module docstring), recorded as
+        holding them; None when no replica serves."""
+        candidates = [r for r in self.serving() if r not in exclude]
+        if not candidates:
+            return None
+        if self.policy == "leastLoaded" or blocks is None:
+            chosen = min(candidates, key=lambda r: (self._load(r), r))
+            self._metrics.routing_decisions.labels(replica=str(chosen), reason="least_loaded").inc()
+            return chosen
+        loads = {r: self._load(r) for r in candidates}
+        cap = math.ceil((1.0 + self.load_bound) * (sum(loads.values()) + 1) / len(candidates))
+
+        def rank(r: int) -> tuple[int, int]:  # longest prefix first, then the rendezvous order
+            return self.table.match(r, blocks.hashes), rendezvous_weight(blocks.anchor, r)
+
+        ranked = sorted(candidates, key=rank, reverse=True)
+        # Never empty: the least loaded replica holds at most (total - 1) / n, so it is under the cap.
+        chosen = next(r for r in ranked if loads[r] + 1 <= cap)
+        reason = "bound" if chosen != ranked[0] else "prefix" if rank(chosen)[0] > 0 else "hash"
+        self._metrics.routing_decisions.labels(replica=str(chosen), reason=reason).inc()
+        self.table.record(chosen, blocks.hashes)
+        self._metrics.routing_table_blocks.labels(replica=str(chosen)).set(self.table.size(chosen))
+        return chosen
+
+    def _forget(self, replica: int) -> None:
+        """`replica` left (died, or drains): its cache is nothing to route to."""
+        self.table.forget(replica)
+        self._metrics.routing_table_blocks.labels(replica=str(replica)).set(0)
+
+    def observe_engine(self, replica: int, open_requests: int, block_size: int | None = None) -> None:
         """`replica`'s engine holds `open_requests` requests of every driver; those beyond this driver's own
-        are other drivers' load, counted when choosing until the next report."""
+        are other drivers' load, counted when choosing until the next report. `block_size`: its engine's
+        cache block size, which prompts are hashed by (the table starts again when it changes)."""
         if replica in self._states:
             self._elsewhere[replica] = max(0, open_requests - self._inflight.get(replica, 0))
+        if block_size and block_size != self.block_size:
+            log.info("routing by prefix blocks of %d tokens (the engine's block size)", block_size)
+            self.block_size = block_size
+            self.table.clear()
 
     def has_slot(self) -> bool:
         return self.pick() is not None
@@ -243,6 +305,7 @@ class Router:
     async def drain(self, replica: int, timeout: float) -> bool:
         """Stop sending new batches to `replica`; True once its in-flight batches have finished."""
         self._draining.add(replica)
+        self._forget(replica)
         self._publish(replica)
         self._wake()
         log.info("replica %d: draining, %d batch(es) in flight", replica, self._inflight.get(replica, 0))

@@ -52,7 +52,7 @@ from iwg_worker.driver.pool import (
     ReplicaPool,
     Task,
 )
-from iwg_worker.driver.router import NoReplica, Router
+from iwg_worker.driver.router import NoReplica, Router, RoutingPolicy
 from iwg_worker.driver.streams import GenerationService, StreamInterrupted, StreamUsage
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class DriverConfig:
     accepts_token_ids: bool = False
     vocab_size: int | None = None  # token ids must be below it (below 2**31 when the model's is unknown)
     context_length: int | None = None  # a token-id prompt must leave room for one generated token
+    routing_policy: RoutingPolicy = "cacheAware"  # generation requests (batches go to the least loaded)
+    load_bound: float = 0.25  # cacheAware: no replica above (1 + load_bound) x the mean open requests
 
 
 class Driver:
@@ -97,6 +99,8 @@ class Driver:
             max_inflight_per_replica=config.max_inflight_per_replica,
             batch_timeout_s=config.batch_timeout_s,
             no_replica_grace_s=config.no_replica_grace_s,
+            policy=config.routing_policy,
+            load_bound=config.load_bound,
         )
         self.generations = GenerationService(pool, self.router, self.metrics, config.generation_timeout_s)
         self.created = int(time.time())

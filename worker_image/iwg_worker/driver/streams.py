@@ -1,8 +1,9 @@
 """Generation requests at the driver: each one streamed from one replica's engine, token by token.
 
-`GenerationService.stream` picks the serving replica with the fewest open requests (this driver's, and other
-drivers' as the engine last reported them: see `Router.observe_engine`), starts the request on
-its engine and yields the engine's items as they come. What may happen to a request:
+`GenerationService.stream` picks a serving replica (`Router.pick_generation`: the one expected to hold the
+longest prefix of the prompt, bounded by load; or the fewest open requests, this driver's and other drivers'
+as the engine last reported them, with policy ``leastLoaded``), starts the request on its engine and yields
+the engine's items as they come. What may happen to a request:
 
 - the engine refuses it (prompt beyond the context, a token id outside the vocabulary, ...): `ApiError` 400
   naming the field, for this request alone;
@@ -34,6 +35,7 @@ from typing import Any
 from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.openai_api import ApiError, no_replica_error
 from iwg_worker.driver.pool import BatchFailure, ReplicaFailure, ReplicaPool
+from iwg_worker.driver.prefix import prompt_blocks
 from iwg_worker.driver.router import Router
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class GenerationService:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.active = 0  # requests admitted and not yet ended
+        self._prefix_counts: dict[int, tuple[int, int]] = {}  # per replica: its engine's (queries, hits)
 
     async def stream(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
         """The request's items in order; `ApiError` when it cannot run, `StreamInterrupted` mid-way."""
@@ -81,11 +84,14 @@ class GenerationService:
         deadline = started + self.timeout_s
         tried: frozenset[int] = frozenset()
         last_error: ReplicaFailure | None = None
+        blocks = (
+            prompt_blocks(request, self.router.block_size) if self.router.policy == "cacheAware" else None
+        )
         for _attempt in range(2):
-            replica = self.router.pick(tried, respect_limit=False)
+            replica = self.router.pick_generation(blocks, tried)
             if replica is None and not tried:
                 await self.router.wait_for_serving(self.router.no_replica_grace_s)
-                replica = self.router.pick(tried, respect_limit=False)
+                replica = self.router.pick_generation(blocks, tried)
             if replica is None:
                 break
             if last_error is not None:  # the first replica failed before any output: this is the retry
@@ -174,7 +180,8 @@ class GenerationService:
         return ApiError(504, message, type="timeout", code="timeout")
 
     async def poll_stats(self, interval_s: float = 1.0) -> None:
-        """Export the engines' counts (requests running and waiting, KV cache usage) every ``interval_s``."""
+        """Export the engines' counts (requests running and waiting, KV cache usage, prefix-cache queries and
+        hits) every ``interval_s``."""
         while True:
             running = waiting = 0
             usages: list[float] = []
@@ -191,7 +198,9 @@ class GenerationService:
                             "streams", stats.get("requests_running", 0) + stats.get("requests_waiting", 0)
                         )
                     ),
+                    int(stats.get("block_size", 0)) or None,
                 )
+                self._count_prefix_cache(replica, stats)
                 running += int(stats.get("requests_running", 0))
                 waiting += int(stats.get("requests_waiting", 0))
                 usages.append(float(stats.get("kv_cache_usage", 0.0)))
@@ -205,6 +214,19 @@ class GenerationService:
             ):
                 gauge.set(value)
             await asyncio.sleep(interval_s)
+
+    def _count_prefix_cache(self, replica: int, stats: dict[str, Any]) -> None:
+        """Add what `replica`'s engine counted since the last poll to the driver's counters (an engine that
+        counts less than last time was restarted: all it counts is new)."""
+        if "prefix_cache_queries" not in stats:
+            return
+        now = int(stats["prefix_cache_queries"]), int(stats.get("prefix_cache_hits", 0))
+        before = self._prefix_counts.get(replica, (0, 0))
+        if now[0] < before[0]:
+            before = (0, 0)
+        self._prefix_counts[replica] = now
+        self.metrics.prefix_cache_queries.inc(max(0, now[0] - before[0]))
+        self.metrics.prefix_cache_hits.inc(max(0, now[1] - before[1]))
 
 
 async def _shielded(call: Any) -> None:
