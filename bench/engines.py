@@ -11,7 +11,7 @@ ids, ``--output-tokens`` tokens each (greedy, end-of-sequence ignored), N concur
 ``/v1/completions`` requests per level, measured by `bench.generate.run_serve` (output tokens/s, TTFT from the
 moment the level's requests are sent, ITL between stream chunks). make_prompts' prompts repeat one sentence,
 so they share their leading tokens, which vLLM's prefix caching (on in both vLLM servers; transformers' engine
-has none) would reuse across requests and levels: here each prompt starts with a token of its own instead
+has it since issue 26) would reuse across requests and levels: here each prompt starts with a token of its own instead
 (every level has prompts of its own, the same sizes as `bench.generate`'s), so no request finds another's
 blocks in the cache and the three engines compute the same prefill. ``--shared-prefixes`` sends make_prompts'
 prompts as they are (a distinct last token; levels still do not repeat a prompt).

@@ -41,6 +41,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,16 @@ def run_serial(model: Any, prompts: list[list[int]], output_tokens: int) -> Run:
     return run
 
 
+async def sse_chunks(session: Any, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed completion (server-sent events), as they come."""
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
+
+
 async def run_serve(
     url: str, prompts: list[list[int]], output_tokens: int, chat: list[str] | None = None
 ) -> Run:
@@ -181,22 +192,16 @@ async def run_serve(
         }
         last = None
         tokens = 0
-        async with session.post(f"{url}{path}", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.monotonic()
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                    continue
-                if last is None:
-                    run.ttft.append(now - started)
-                else:
-                    run.itl.append(now - last)
-                last = now
+        async for chunk in sse_chunks(session, f"{url}{path}", body):
+            now = time.monotonic()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                continue
+            if last is None:
+                run.ttft.append(now - started)
+            else:
+                run.itl.append(now - last)
+            last = now
         return tokens
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:

@@ -112,6 +112,20 @@ def served_minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         assert code == 0, log.read_text(errors="replace")[-3000:]
 
 
+async def scrape_metrics(session: Any, url: str) -> dict[str, float]:
+    """A driver's /metrics, each sample by its name and labels as exposed (``name{label="value",...}``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
 def start_smollm2(
     tmp: Path,
     env: dict[str, str],

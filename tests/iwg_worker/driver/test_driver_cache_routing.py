@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.iwg_worker.driver.conftest import Served, start_smollm2, stop, subprocess_env
+from tests.iwg_worker.driver.conftest import Served, scrape_metrics, start_smollm2, stop, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -37,17 +37,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     finally:
         code = stop(served.process)
         assert code == 0, served.log.read_text(errors="replace")[-3000:]
-
-
-async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-z_:]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-        if match:
-            out[match.group(1)] = float(match.group(2))
-    return out
 
 
 def routed(sample: dict[str, float], reason: str | None = None) -> dict[int, float]:
@@ -76,7 +65,7 @@ async def chat(
 async def settled(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """/metrics once the driver has read the engines' counts after the last request."""
     await asyncio.sleep(2.5 * STATS_POLL_S)
-    return await metrics(session, url)
+    return await scrape_metrics(session, url)
 
 
 async def test_second_turns_land_on_their_first_turns_replica_and_hit_its_prefix_cache(
@@ -96,7 +85,7 @@ async def test_second_turns_land_on_their_first_turns_replica_and_hit_its_prefix
         for u in range(16)
     ]
     async with aiohttp.ClientSession() as session:
-        before = await metrics(session, served.url)
+        before = await scrape_metrics(session, served.url)
         # First turns all at once: the load bound spreads them (least-loaded would too).
         answers = await asyncio.gather(*(chat(session, served.url, m, 4) for m in first_turns))
         middle = await settled(session, served.url)
@@ -130,7 +119,7 @@ async def test_64_conversations_sharing_a_system_prompt_spread_within_the_load_b
         f"Rule {i}: be brief and polite." for i in range(8)
     )  # about one block of text (the driver's) and of tokens (the engine's), shared
     async with aiohttp.ClientSession() as session:
-        before = routed(await metrics(session, served.url))
+        before = routed(await scrape_metrics(session, served.url))
         started = time.monotonic()
         await asyncio.gather(
             *(
@@ -148,7 +137,7 @@ async def test_64_conversations_sharing_a_system_prompt_spread_within_the_load_b
             )
         )
         elapsed = time.monotonic() - started
-        placed = delta(routed(await metrics(session, served.url)), before)
+        placed = delta(routed(await scrape_metrics(session, served.url)), before)
     assert sum(placed.values()) == 64
     # Not all on the replica holding the system prompt; none above ceil((1 + eps) x mean) (all 64 were open).
     assert len(placed) == 2 and max(placed.values()) <= math.ceil((1 + LOAD_BOUND) * 32), (placed, elapsed)
