@@ -11,7 +11,7 @@ policy (one after the other, each with the machine to itself). ``--users`` users
 tokens of text of its own) and has ``--turns`` turns, each a streamed chat completion of ``--output-tokens``
 tokens (greedy, end-of-sequence ignored) whose answer joins the conversation before the next turn.
 
-Printed per policy: TTFT p50/p99 (first turns and returning turns apart), output tokens/s over the run, the
+Each server first answers one short request (not measured). Printed per policy: TTFT p50/p99 (first turns and returning turns apart), output tokens/s over the run, the
 engines' prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``queries`` over the run; and over the returning
 turns alone: the counts read when every first turn had finished and at the end, which covers only returning
 turns when the first turns end before the returning ones start, as at the default rate), the routing decisions
@@ -118,6 +118,9 @@ async def workload(url: str, args: argparse.Namespace, run: PolicyRun) -> None:
                     first_done.set()
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        warm = {"model": "smollm2", "messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 4}
+        async for _chunk in sse_chunks(session, f"{url}/v1/chat/completions", {**warm, "stream": True}):
+            pass  # one short request first, as bench.engines does: not measured
         before = await scrape_metrics(session, url)
         started = time.monotonic()
         await asyncio.gather(*(user(session, u) for u in range(args.users)))
