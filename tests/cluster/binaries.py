@@ -12,7 +12,18 @@ from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build.sh"
 VERSIONS = BUILD_SCRIPT.parent / "versions.env"
-BUILT = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm", "kwok", "kube-score")
+BUILT = (
+    "etcd",
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubelet",
+    "kube-proxy",
+    "coredns",
+    "helm",
+    "kwok",
+    "kube-score",
+)
 
 
 class BinaryMissingError(RuntimeError):

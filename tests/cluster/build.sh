@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Builds the binaries the tests run (kube-apiserver, kube-scheduler, kube-controller-manager, etcd, helm,
-# kwok, kube-score) from their Go modules at the versions pinned in versions.env. Each binary is cached
-# under a key of its own recipe (module, version, link flags, toolchain, tools module files), so changing
-# one pin rebuilds that binary alone. Builds only what is missing; concurrent callers wait on a lock per
-# binary instead of building twice. Prints the binary directory last.
+# Builds the binaries the tests run (kube-apiserver, kube-scheduler, kube-controller-manager, etcd, the
+# real nodes' kubelet, kube-proxy and CoreDNS, helm, kwok, kube-score) from their Go modules at the versions
+# pinned in versions.env. Each binary is cached under a key of its own recipe (module, version, link flags,
+# toolchain, tools module files), so changing one pin rebuilds that binary alone. Builds only what is
+# missing; concurrent callers wait on a lock per binary instead of building twice. Prints the binary directory last.
 #
 #   tests/cluster/build.sh                   # everything
 #   tests/cluster/build.sh etcd kube-apiserver
@@ -16,7 +16,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 tools="$here/tools"
-all=(etcd kube-apiserver kube-scheduler kube-controller-manager helm kwok kube-score)
+all=(etcd kube-apiserver kube-scheduler kube-controller-manager kubelet kube-proxy coredns helm kwok kube-score)
 
 die() { echo "build.sh: $*" >&2; exit 1; }
 
@@ -36,7 +36,7 @@ helm_ldflags+=" -X $hv/pkg/lint/rules.k8sVersionMajor=1 -X $hv/pkg/lint/rules.k8
 # directory under tools/ built with `go build`; none: `go install package@version`) and the Go toolchain
 # (empty: the machine's).
 declare -A module version package ldflags tooldir toolchain
-for name in kube-apiserver kube-scheduler kube-controller-manager; do
+for name in kube-apiserver kube-scheduler kube-controller-manager kubelet kube-proxy; do
   module[$name]=k8s.io/kubernetes version[$name]=$KUBERNETES_VERSION package[$name]=k8s.io/kubernetes/cmd/$name
   ldflags[$name]=$k8s_ldflags tooldir[$name]=kubernetes toolchain[$name]=""
 done
@@ -46,6 +46,8 @@ module[helm]=$hv version[helm]=$HELM_VERSION package[helm]=$hv/cmd/helm
 ldflags[helm]=$helm_ldflags tooldir[helm]="" toolchain[helm]=""
 module[kwok]=sigs.k8s.io/kwok version[kwok]=$KWOK_VERSION package[kwok]=sigs.k8s.io/kwok/cmd/kwok
 ldflags[kwok]="-s -w" tooldir[kwok]="" toolchain[kwok]=$KWOK_GOTOOLCHAIN
+module[coredns]=github.com/coredns/coredns version[coredns]=$COREDNS_VERSION package[coredns]=github.com/coredns/coredns
+ldflags[coredns]="-s -w" tooldir[coredns]="" toolchain[coredns]=""
 module[kube-score]=github.com/zegl/kube-score version[kube-score]=$KUBE_SCORE_VERSION
 package[kube-score]=github.com/zegl/kube-score/cmd/kube-score
 ldflags[kube-score]="-s -w -X main.version=$KUBE_SCORE_VERSION" tooldir[kube-score]="" toolchain[kube-score]=""
@@ -109,10 +111,11 @@ build_one() {
   fi
 }
 
-# A binary of an earlier cache directory (not a link) that this recipe would have built, if any.
+# A binary of an earlier cache directory (not a link) or of an earlier store entry (another key: its tools
+# module has changed, say go.sum lines added for another binary) that this recipe would have built, if any.
 earlier_build() {
   local name="$1" candidate
-  for candidate in "$cache_root"/bin-*/"$name"; do
+  for candidate in "$cache_root"/bin-*/"$name" "$store/$name"-*/"$name"; do
     [[ -f "$candidate" && ! -L "$candidate" && -x "$candidate" ]] || continue
     if built_by_recipe "$name" "$candidate"; then
       echo "$candidate"

@@ -77,7 +77,8 @@ def test_changing_a_pin_changes_the_keys_of_the_binaries_that_use_it_only(tmp_pa
     kubernetes = binaries.pin("KUBERNETES_VERSION", tree / "versions.env")
     _edit(tree / "versions.env", f"KUBERNETES_VERSION={kubernetes}", "KUBERNETES_VERSION=v1.36.3")
     assert changed() == {
-        "etcd", "kube-score", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "helm"
+        "etcd", "kube-score", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubelet",
+        "kube-proxy", "helm"
     }  # fmt: skip
 
 
@@ -100,6 +101,15 @@ def test_a_binary_of_the_all_pins_cache_is_taken_over_when_its_build_info_matche
     linked = Path(_run(tree, "--print-dir", cache=cache).stdout.strip()) / "etcd"
     assert linked.resolve().read_bytes() == built_etcd.read_bytes()
     assert "etcd cached" in _run(tree, "etcd", cache=cache).stdout
+
+    # A sum added to the tools module (another binary's dependency) gives etcd a new key; the binary of
+    # the store entry under the old key still has all its sums there, so it is taken over, not rebuilt.
+    go_sum = tree / "tools" / "etcd" / "go.sum"
+    old_entry = linked.resolve()
+    go_sum.write_text(go_sum.read_text() + "example.com/another v1.0.0 h1:AAAA=\n")
+    shutil.rmtree(old)
+    assert _run(tree, "--find-earlier", "etcd", cache=cache).stdout.strip() == str(old_entry)
+    go_sum.write_text(go_sum.read_text().replace("example.com/another v1.0.0 h1:AAAA=\n", ""))
 
     # Another dependency sum in the tools module: not the recipe that built it, so not taken over.
     go_sum = tree / "tools" / "etcd" / "go.sum"
