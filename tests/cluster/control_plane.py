@@ -142,13 +142,16 @@ class ControlPlane:
         name: str = "iwg",
         feature_gates: Sequence[str] = (),
         runtime_config: Sequence[str] = (),
+        apiserver_args: Sequence[str] = (),
     ) -> None:
         """`feature_gates` are turned on in the apiserver, scheduler and controller manager; `runtime_config`
-        names API group versions the apiserver serves besides its defaults."""
+        names API group versions the apiserver serves besides its defaults; `apiserver_args` are passed as they
+        are."""
         self.name = name
         self.die_with_parent = die_with_parent
         self.feature_gates = tuple(feature_gates)
         self.runtime_config = tuple(runtime_config)
+        self.apiserver_args = tuple(apiserver_args)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{name}-cp-"))
         self.token = secrets.token_hex(24)
         self.port = 0
@@ -416,6 +419,7 @@ class ControlPlane:
                     if self.runtime_config
                     else []
                 ),
+                *self.apiserver_args,
             ],
             health=lambda port: f"https://127.0.0.1:{port}/readyz",
             token=self.token,
