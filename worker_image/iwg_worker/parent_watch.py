@@ -55,6 +55,22 @@ def set_death_signal(sig: int) -> bool:
         return False
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a process here that has not ended (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state != "Z"
+
+
 class ParentWatch:
     """Calls ``on_orphaned`` once when the parent ``parent`` is gone, then ends the process after
     ``grace_s`` if it is still running."""

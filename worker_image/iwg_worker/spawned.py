@@ -19,7 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-from iwg_worker.parent_watch import ParentWatch
+from iwg_worker.parent_watch import ParentWatch, process_alive
 
 ENV = "IWG_SPAWNER_PID"
 
@@ -27,16 +27,6 @@ ENV = "IWG_SPAWNER_PID"
 def mark_spawner() -> None:
     """Processes spawned from here on (and theirs) end when this process does."""
     os.environ[ENV] = str(os.getpid())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def watch_if_spawned() -> ParentWatch | None:
@@ -49,7 +39,7 @@ def watch_if_spawned() -> ParentWatch | None:
     except ValueError:
         return None
     parent = os.getppid()  # before the check: a spawner dying after it changes this pid, which the watch sees
-    if not _alive(spawner):
+    if not process_alive(spawner):
         os._exit(1)
     watch = ParentWatch(parent, on_orphaned=lambda: os._exit(1), grace_s=0.0)
     watch.start()

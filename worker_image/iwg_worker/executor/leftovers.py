@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from iwg_worker.parent_watch import process_alive
+
 log = logging.getLogger(__name__)
 
 DIR_PREFIX = "iwg-"
@@ -89,7 +91,11 @@ def sweep(directories: Iterable[str | Path]) -> list[str]:
                 continue
             pid = int(match["pid"])
             try:
-                if entry.stat(follow_symlinks=False).st_uid != uid or pid == os.getpid() or _alive(pid):
+                if (
+                    entry.stat(follow_symlinks=False).st_uid != uid
+                    or pid == os.getpid()
+                    or process_alive(pid)
+                ):
                     continue
                 if match["ring"] and entry.is_file(follow_symlinks=False):
                     gone = _remove_unlocked(entry.path, functools.partial(os.unlink, entry.path))
@@ -123,21 +129,6 @@ def _remove_unlocked(lock_path: str, remove: Callable[[], object]) -> bool:
         return True
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a process here that has not ended (a zombie has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _random_part(temporary: str) -> str:
