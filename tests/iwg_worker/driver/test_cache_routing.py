@@ -14,6 +14,7 @@ from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.pool import ReplicaState
 from iwg_worker.driver.prefix import PrefixTable, prompt_blocks
 from iwg_worker.driver.router import Router, RoutingPolicy
+from iwg_worker.driver.streams import GenerationService
 
 from tests.iwg_worker.driver.fakes import FakePool
 
@@ -151,3 +152,23 @@ def test_the_table_forgets_the_least_recently_used_blocks_first_beyond_its_bound
     assert table.size(0) == 10
     assert table.match(0, new.hashes) == 6
     assert table.match(0, old.hashes) == 4  # its last two blocks went first: its first four still match
+
+
+async def test_an_engine_that_evicted_its_cached_blocks_empties_its_replicas_table() -> None:
+    pool = FakePool(replicas=2)
+    counts = {0: {"prefix_cache_queries": 0, "prefix_cache_evictions": 0}, 1: {"prefix_cache_queries": 0}}
+
+    async def engine_stats(replica: int, timeout: float) -> dict[str, Any]:
+        return {"requests_running": 0, "requests_waiting": 0, "block_size": BLOCK, **counts[replica]}
+
+    pool.engine_stats = engine_stats  # type: ignore[method-assign]
+    r = router(pool)
+    service = GenerationService(pool, r, r._metrics, timeout_s=60)
+    placed = route_together(r, {u: chat(u, f"Conversation {u}. " * 10) for u in range(8)})
+    assert set(placed.values()) == {0, 1}
+    await service.poll_once()
+    assert r.table.size(0) > 0 and r.table.size(1) > 0  # nothing evicted yet
+    counts[0] = {"prefix_cache_queries": 100, "prefix_cache_evictions": 1}
+    await service.poll_once()
+    assert r.table.size(0) == 0 and r.table.size(1) > 0
+    assert r._metrics.registry.get_sample_value("vllm:prefix_cache_queries_total") == 100

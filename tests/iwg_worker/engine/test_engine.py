@@ -258,6 +258,13 @@ def test_a_full_kv_cache_makes_requests_wait_and_all_complete_correctly(
             assert collector.items[request_id][-1]["error"] is None
             assert collector.tokens(request_id) == greedy_reference(reference, prompt, 24), request_id
         assert eng.stats()["kv_cache_blocks_used"] == 0
+        # A finished request's 3 full blocks stay cached; a prompt of 3 other blocks needs their room: the
+        # engine drops its cached blocks, and counts it (the driver's routing table follows).
+        evictions = eng.stats()["prefix_cache_evictions"]
+        for name, start in (("evict-a", 1000), ("evict-b", 3000)):
+            add(eng, {"id": name, "prompt_ids": list(range(start, start + 200)), "max_tokens": 2})
+            collector.wait([name])
+        assert eng.stats()["prefix_cache_evictions"] > evictions
     finally:
         eng.shutdown()
 

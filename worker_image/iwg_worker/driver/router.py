@@ -122,7 +122,7 @@ class Router:
             # A drained replica that left ends its drain: when its index comes back (a scale-up), it serves.
             self._draining.discard(event.replica)
             self._elsewhere.pop(event.replica, None)
-            self._forget(event.replica)
+            self.forget_prefixes(event.replica)
         if previous is not event.state:
             log.info("replica %d: %s -> %s %s", event.replica, previous, event.state.value, event.reason)
         self._publish(event.replica)
@@ -179,8 +179,9 @@ class Router:
         self._metrics.routing_table_blocks.labels(replica=str(chosen)).set(self.table.size(chosen))
         return chosen
 
-    def _forget(self, replica: int) -> None:
-        """`replica` left (died, or drains): its cache is nothing to route to."""
+    def forget_prefixes(self, replica: int) -> None:
+        """What was sent to `replica` is no longer in its cache: it left (died, or drains), or its engine
+        evicted every cached block."""
         self.table.forget(replica)
         self._metrics.routing_table_blocks.labels(replica=str(replica)).set(0)
 
@@ -305,7 +306,7 @@ class Router:
     async def drain(self, replica: int, timeout: float) -> bool:
         """Stop sending new batches to `replica`; True once its in-flight batches have finished."""
         self._draining.add(replica)
-        self._forget(replica)
+        self.forget_prefixes(replica)
         self._publish(replica)
         self._wake()
         log.info("replica %d: draining, %d batch(es) in flight", replica, self._inflight.get(replica, 0))

@@ -66,7 +66,8 @@ class GenerationService:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.active = 0  # requests admitted and not yet ended
-        self._prefix_counts: dict[int, tuple[int, int]] = {}  # per replica: its engine's (queries, hits)
+        # per replica: its engine's prefix-cache (queries, hits, evictions)
+        self._prefix_counts: dict[int, tuple[int, int, int]] = {}
 
     async def stream(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
         """The request's items in order; `ApiError` when it cannot run, `StreamInterrupted` mid-way."""
@@ -183,50 +184,58 @@ class GenerationService:
         """Export the engines' counts (requests running and waiting, KV cache usage, prefix-cache queries and
         hits) every ``interval_s``."""
         while True:
-            running = waiting = 0
-            usages: list[float] = []
-            for replica in self.router.serving():
-                try:
-                    stats = await self.pool.engine_stats(replica, CONTROL_TIMEOUT_S)
-                except Exception as exc:
-                    log.debug("engine stats of replica %d: %s", replica, exc)
-                    continue
-                self.router.observe_engine(
-                    replica,
-                    int(
-                        stats.get(
-                            "streams", stats.get("requests_running", 0) + stats.get("requests_waiting", 0)
-                        )
-                    ),
-                    int(stats.get("block_size", 0)) or None,
-                )
-                self._count_prefix_cache(replica, stats)
-                running += int(stats.get("requests_running", 0))
-                waiting += int(stats.get("requests_waiting", 0))
-                usages.append(float(stats.get("kv_cache_usage", 0.0)))
-                self.metrics.kv_cache_usage.labels(replica=str(replica)).set(usages[-1])
-            for gauge, value in (
-                (self.metrics.requests_running, running),
-                (self.metrics.vllm_running, running),
-                (self.metrics.requests_waiting, waiting),
-                (self.metrics.vllm_waiting, waiting),
-                (self.metrics.vllm_kv_usage, sum(usages) / len(usages) if usages else 0.0),
-            ):
-                gauge.set(value)
+            await self.poll_once()
             await asyncio.sleep(interval_s)
+
+    async def poll_once(self) -> None:
+        """Read every serving replica's engine counts once: export them, and tell the router."""
+        running = waiting = 0
+        usages: list[float] = []
+        for replica in self.router.serving():
+            try:
+                stats = await self.pool.engine_stats(replica, CONTROL_TIMEOUT_S)
+            except Exception as exc:
+                log.debug("engine stats of replica %d: %s", replica, exc)
+                continue
+            self.router.observe_engine(
+                replica,
+                int(
+                    stats.get("streams", stats.get("requests_running", 0) + stats.get("requests_waiting", 0))
+                ),
+                int(stats.get("block_size", 0)) or None,
+            )
+            self._count_prefix_cache(replica, stats)
+            running += int(stats.get("requests_running", 0))
+            waiting += int(stats.get("requests_waiting", 0))
+            usages.append(float(stats.get("kv_cache_usage", 0.0)))
+            self.metrics.kv_cache_usage.labels(replica=str(replica)).set(usages[-1])
+        for gauge, value in (
+            (self.metrics.requests_running, running),
+            (self.metrics.vllm_running, running),
+            (self.metrics.requests_waiting, waiting),
+            (self.metrics.vllm_waiting, waiting),
+            (self.metrics.vllm_kv_usage, sum(usages) / len(usages) if usages else 0.0),
+        ):
+            gauge.set(value)
 
     def _count_prefix_cache(self, replica: int, stats: dict[str, Any]) -> None:
         """Add what `replica`'s engine counted since the last poll to the driver's counters (an engine that
         counts less than last time was restarted: all it counts is new)."""
         if "prefix_cache_queries" not in stats:
             return
-        now = int(stats["prefix_cache_queries"]), int(stats.get("prefix_cache_hits", 0))
-        before = self._prefix_counts.get(replica, (0, 0))
+        now = (
+            int(stats["prefix_cache_queries"]),
+            int(stats.get("prefix_cache_hits", 0)),
+            int(stats.get("prefix_cache_evictions", 0)),
+        )
+        before = self._prefix_counts.get(replica, (0, 0, 0))
         if now[0] < before[0]:
-            before = (0, 0)
+            before = (0, 0, 0)
         self._prefix_counts[replica] = now
         self.metrics.prefix_cache_queries.inc(max(0, now[0] - before[0]))
         self.metrics.prefix_cache_hits.inc(max(0, now[1] - before[1]))
+        if now[2] > before[2]:  # the engine dropped every finished request's blocks: so does the table
+            self.router.forget_prefixes(replica)
 
 
 async def _shielded(call: Any) -> None:

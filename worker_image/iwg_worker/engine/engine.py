@@ -112,6 +112,7 @@ class GenerationEngine(RequestFront):
         self._sink: StreamSink | None = None
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
+        self.prefix_evictions = 0  # times every cached block no request holds was dropped for room
         self._looked_up: set[str] = set()  # requests already counted (a request may be looked up again)
         self.manager: Any = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=self.cb_config
@@ -139,7 +140,9 @@ class GenerationEngine(RequestFront):
     def _count_prefix_matches(self, cache: Any) -> None:
         """Count each request's prefix-cache lookup (its prompt tokens) and match (the tokens shared), once per
         request: transformers looks a waiting request up again at every step it could not be scheduled, and
-        counts nothing itself. Its scheduler calls ``cache.search_prefix_match`` on the engine's thread."""
+        counts nothing itself. Its scheduler calls ``cache.search_prefix_match`` on the engine's thread. And
+        count its evictions: when it needs room it drops every cached block no running request holds, at once
+        (``cache.evict_cached_blocks``), which the driver's routing table follows."""
         search = cache.search_prefix_match
 
         def counted(request_id: str, prompt_ids: list[int]) -> int:
@@ -152,8 +155,18 @@ class GenerationEngine(RequestFront):
                     self.prefix_hits += matched
             return matched
 
+        evict = cache.evict_cached_blocks
+
+        def counted_eviction() -> bool:
+            evicted = bool(evict())
+            if evicted:
+                with self._lock:
+                    self.prefix_evictions += 1
+            return evicted
+
         if getattr(cache, "use_prefix_sharing", False):
             cache.search_prefix_match = counted
+            cache.evict_cached_blocks = counted_eviction
 
     @staticmethod
     def _bytes_per_block(text_config: Any, page_size: int) -> int:
@@ -319,6 +332,7 @@ class GenerationEngine(RequestFront):
             "block_size": self.cb_config.page_size,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_evictions": self.prefix_evictions,
             "engine_running": self.running,
         }
 
