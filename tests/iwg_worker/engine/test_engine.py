@@ -108,8 +108,9 @@ def test_prompts_sharing_a_long_prefix_reuse_its_cache_and_decode_as_generate_do
         ),
     )
     collector.wait(ids)
-    for request_id, prompt in zip(["prefix-0", *ids], [*prompts, prompts[0]], strict=True):
-        assert collector.tokens(request_id) == greedy_reference(reference, prompt, 8), request_id
+    expected = [greedy_reference(reference, prompt, 8) for prompt in prompts]
+    for request_id, tokens in zip(["prefix-0", *ids], [*expected, expected[0]], strict=True):
+        assert collector.tokens(request_id) == tokens, request_id
     deadline = time.monotonic() + 10  # vLLM's counts arrive with its stat logger, after the step
     while True:
         after = eng.stats()
