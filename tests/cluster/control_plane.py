@@ -23,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,19 @@ def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 0.5) -> No
         if rec.alive():  # never signal a pid that has since been reused
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(rec.pid, signal.SIGKILL)
+
+
+def kill_until_gone(pids: Callable[[], Iterable[int]], pause_s: float = 0.02, tries: int = 50) -> None:
+    """SIGKILLs what `pids()` lists until it lists nothing (a process tree that forks while it is killed:
+    a pod's processes, a cgroup's)."""
+    for _ in range(tries):
+        found = list(pids())
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(pause_s)
 
 
 @dataclass

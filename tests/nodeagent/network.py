@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.cluster.control_plane import kill_until_gone
+
 log = logging.getLogger("nodeagent.network")
 
 STATE_ROOT = Path("/run/iwg-nodeagent")
@@ -136,14 +138,7 @@ def kill_sandbox_processes(netns: str, grace_s: float = 0.0) -> None:
         deadline = time.monotonic() + grace_s
         while sandbox_pids(netns) and time.monotonic() < deadline:
             time.sleep(0.05)
-    for _ in range(50):
-        pids = sandbox_pids(netns)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
+    kill_until_gone(lambda: sandbox_pids(netns))
 
 
 def remove_sandbox(netns: str, veth: str | None = None) -> None:

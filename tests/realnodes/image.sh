@@ -48,6 +48,8 @@ mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "${packages[*]}")"
   "$suite" "$work/worker-layer.tar"
 # No PATH in the image's config: an image's PATH would replace the base runtime spec's, which puts the
 # bind-mounted test environment's commands first.
-archive "$work/worker-layer.tar" iwg.local/iwg-worker-light:1 worker.tar --config.user 65532:65532
+# No user either: the image runs as root unless the pod's securityContext says otherwise, so a test sees
+# the user the operator asks for, not the image's.
+archive "$work/worker-layer.tar" iwg.local/iwg-worker-light:1 worker.tar --clear=config.entrypoint
 echo "image.sh: images built in $((SECONDS - started))s: $(du -sh "$out/worker.tar" | cut -f1) (worker), $(du -sh "$out/pause.tar" | cut -f1) (pause)" >&2
 echo "$out"

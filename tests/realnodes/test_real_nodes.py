@@ -1,0 +1,135 @@
+"""A group's pods run by real kubelets and containerd (tests/realnodes/nodes.py), not the node agent: what
+the operator writes into a pod is what a real node enforces. The pods run the light image (Debian
+libraries; the test environment and its Python bind-mounted read-only), see nodes.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from iwg_operator.builders.common import CURVE_MOUNT
+
+from tests.e2e.harness import group_manifest, live_ready_workers, openai_client, pod_ready
+from tests.realnodes.fixture import RealCluster, real_cluster
+from tests.realnodes.nodes import WORKER_IMAGE
+
+__all__ = ["real_cluster"]
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GROUP = "minilm"
+SHM_SIZE = "192Mi"
+SHM_KIB = 192 * 1024
+RUN_AS = 65532
+READY_TIMEOUT = 240
+
+
+def diagnose(cluster: RealCluster) -> str:
+    lines = ["==== pods"]
+    for pod in cluster.core.list_namespaced_pod(cluster.namespace).items:
+        statuses = [
+            (s.name, s.ready, s.restart_count, s.state.to_dict()) for s in pod.status.container_statuses or []
+        ]
+        lines.append(f"{pod.metadata.name} node={pod.spec.node_name} phase={pod.status.phase} {statuses}")
+    events = cluster.control_plane.kubectl(
+        "get",
+        "events",
+        "-n",
+        cluster.namespace,
+        "-o",
+        "custom-columns=OBJ:.involvedObject.name,R:.reason,M:.message",
+    )
+    lines += ["==== events", events.stdout[-3000:], "==== operator", cluster.operator_log(30)]
+    for node in cluster.nodes.names:
+        lines += [f"==== {node} kubelet", cluster.nodes.log_tail(f"{node}-kubelet", 10)]
+    return "\n".join(lines)
+
+
+def mounts(pid: int) -> dict[str, tuple[str, str, str]]:
+    """Mount point -> (filesystem type, mount options, super options) as the process sees them."""
+    found = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        left, right = line.split(" - ")
+        fields, (fstype, _source, super_options) = left.split(), right.split()
+        found[fields[4]] = (fstype, fields[5], super_options)
+    return found
+
+
+def ids(pid: int) -> tuple[list[int], list[int]]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    uid = re.search(r"^Uid:\s+(.*)$", status, re.MULTILINE)
+    gid = re.search(r"^Gid:\s+(.*)$", status, re.MULTILINE)
+    assert uid and gid
+    return [int(u) for u in uid.group(1).split()], [int(g) for g in gid.group(1).split()]
+
+
+@pytest.fixture(scope="module")
+def serving(real_cluster: RealCluster) -> dict[str, Any]:
+    """examples/minilm.yaml (two replicas) on the light image, serving; returns the group."""
+    from tests.cluster.waiting import eventually
+
+    manifest = group_manifest(
+        GROUP,
+        worker={"image": WORKER_IMAGE, "imagePullPolicy": "Never", "shmSize": SHM_SIZE},
+        driver={"cpu": "500m"},
+    )
+    cluster = real_cluster
+    cluster.control_plane.kubectl("apply", "-n", cluster.namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    try:
+        eventually(
+            lambda: (cluster.groups.get(GROUP).get("status") or {}).get("readyReplicas") == 2,
+            READY_TIMEOUT,
+            "both replicas ready",
+            interval=1.0,
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+    return manifest
+
+
+def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_specified(
+    real_cluster: RealCluster, serving: dict[str, Any]
+) -> None:
+    from tests.cluster.waiting import eventually
+
+    cluster, core = real_cluster, real_cluster.core
+    driver = eventually(
+        lambda: [
+            p
+            for p in core.list_namespaced_pod(
+                cluster.namespace, label_selector="app.kubernetes.io/component=driver"
+            ).items
+            if pod_ready(p)
+        ],
+        READY_TIMEOUT,
+        "the driver ready",
+    )[0]
+    port = cluster.nodes.forward(driver.status.pod_ip, 8000)
+    api = openai_client("127.0.0.1", port)
+    result = api.embeddings.create(model=serving["spec"]["model"]["servedName"], input=["a", "b c"])
+    assert [len(d.embedding) for d in result.data] == [384, 384]
+
+    workers = live_ready_workers(core, cluster.namespace, GROUP)
+    assert len(workers) == 2
+    wrong: dict[str, Any] = {}
+    for pod in workers:
+        assert pod.spec.node_name in cluster.nodes.names
+        pid = cluster.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
+        name = pod.metadata.name
+        uids, gids = ids(pid)
+        if set(uids) != {RUN_AS} or set(gids) != {RUN_AS}:
+            wrong[f"{name} uid/gid"] = (uids, gids)  # the image has no user: root unless the pod says so
+        seen = mounts(pid)
+        shm = seen.get("/dev/shm", ("", "", ""))
+        if shm[0] != "tmpfs" or f"size={SHM_KIB}k" not in shm[2].split(","):
+            wrong[f"{name} /dev/shm"] = shm
+        curve = seen.get(CURVE_MOUNT, ("", "", ""))
+        # A Secret volume: the kubelet's tmpfs, mounted read-only.
+        if curve[0] != "tmpfs" or "ro" not in curve[1].split(","):
+            wrong[f"{name} {CURVE_MOUNT}"] = curve
+        if "ro" not in seen["/"][1].split(","):
+            wrong[f"{name} root filesystem"] = seen["/"]
+    assert not wrong, wrong
