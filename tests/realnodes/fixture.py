@@ -46,16 +46,17 @@ class RealCluster:
 
 @contextlib.contextmanager
 def real_cluster_running(count: int = 2) -> Iterator[RealCluster]:
-    cp = ControlPlane(name="iwg-nodes", apiserver_args=["--kubelet-preferred-address-types=InternalIP"])
-    nodes: RealNodes | None = None
+    cp = ControlPlane(name="iwg-nodes")
+    nodes = RealNodes(cp, count)
+    cp.apiserver_args = tuple(nodes.apiserver_args())
     operator: subprocess.Popen[bytes] | None = None
-    cp.start()
     try:
+        cp.start()
         cp.start_scheduler()
         cp.start_controller_manager((*CONTROLLERS, "nodelifecycle"))
         install_crd(cp)
         cp.kubectl("create", "namespace", NAMESPACE)
-        nodes = RealNodes(cp, count).start()
+        nodes.start()
         with (nodes.workdir / "operator.log").open("ab") as out:
             operator = subprocess.Popen(
                 nodes.in_fabric(
@@ -85,8 +86,7 @@ def real_cluster_running(count: int = 2) -> Iterator[RealCluster]:
             except subprocess.TimeoutExpired:
                 os.killpg(operator.pid, signal.SIGKILL)
                 operator.wait(timeout=5)
-        if nodes is not None:
-            nodes.stop()
+        nodes.stop()
         cp.stop()
 
 

@@ -96,13 +96,12 @@ class Node:
 
 
 class RealNodes:
-    """`count` real nodes joined to `control_plane` (which runs with `NODE_APISERVER_ARGS`); `start()` returns
-    once every node is Ready."""
+    """`count` real nodes joined to `control_plane` (started with `apiserver_args()`); `start()` returns once
+    every node is Ready."""
 
-    def __init__(self, control_plane: ControlPlane, count: int = 2, gpus_per_node: int = 0) -> None:
+    def __init__(self, control_plane: ControlPlane, count: int = 2) -> None:
         self.cp = control_plane
         self.count = count
-        self.gpus_per_node = gpus_per_node
         self.workdir = Path(tempfile.mkdtemp(prefix="iwg-nodes-"))
         self.token = secrets.token_hex(3)
         self.nodes: list[Node] = []
@@ -112,6 +111,33 @@ class RealNodes:
         self._daemons: dict[str, ProcessRecord] = {}
 
     # -- public surface -------------------------------------------------------------------------
+
+    @property
+    def egress_socket(self) -> Path:
+        return self.workdir / "egress.sock"
+
+    def apiserver_args(self) -> list[str]:
+        """What the control plane's apiserver needs to reach these nodes' kubelets (logs, exec): their
+        InternalIP, through the relay's HTTP CONNECT proxy. Written before the control plane starts."""
+        config = self.workdir / "egress.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "apiserver.k8s.io/v1beta1",
+                    "kind": "EgressSelectorConfiguration",
+                    "egressSelections": [
+                        {
+                            "name": "cluster",
+                            "connection": {
+                                "proxyProtocol": "HTTPConnect",
+                                "transport": {"uds": {"udsName": str(self.egress_socket)}},
+                            },
+                        }
+                    ],
+                }
+            )
+        )
+        return ["--kubelet-preferred-address-types=InternalIP", f"--egress-selector-config-file={config}"]
 
     @property
     def fabric_netns(self) -> str:
@@ -191,6 +217,10 @@ class RealNodes:
                 str(self.cp.port),
                 "--control",
                 str(self.workdir / "relay.sock"),
+                "--egress",
+                str(self.egress_socket),
+                "--egress-netns",
+                self.fabric_netns,
                 "--netns",
                 self.fabric_netns,
                 *(arg for node in self.nodes for arg in ("--netns", node.netns)),
@@ -212,10 +242,6 @@ class RealNodes:
             self._start_kubelet(node)
         core = client.CoreV1Api(self.cp.api_client())
         _wait_for(lambda: all(_node_ready(core, n.name) for n in self.nodes), timeout, "nodes Ready", self)
-        if self.gpus_per_node:
-            for node in self.nodes:
-                patch = {"status": {"capacity": {"nvidia.com/gpu": str(self.gpus_per_node)}}}
-                core.patch_node_status(node.name, patch)
         self.timings["kubelets Ready"] = time.monotonic() - t0
 
     def _make_node(self, index: int) -> Node:

@@ -8,6 +8,9 @@ single-threaded), so each relay is a listening socket in one namespace and conne
   --api-port P --netns PATH ...   in each namespace, 127.0.0.1:P -> the host's 127.0.0.1:P (kubelet,
                                   kube-proxy, CoreDNS and the operator reach the apiserver by the URL and
                                   certificate of the host's kubeconfig)
+  --egress SOCKET --egress-netns PATH
+                                  an HTTP CONNECT proxy on a unix socket, connecting in that namespace: the
+                                  apiserver's egress to kubelets (`kubectl logs`, `exec`, `port-forward`)
   --control SOCKET                a line `NETNS_PATH IP PORT` asks for a relay from the host's loopback to
                                   IP:PORT in that namespace; the answer is the host port (tests reach pods)
 """
@@ -105,10 +108,37 @@ async def _control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
     writer.close()
 
 
+async def _http_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, netns: int) -> None:
+    """An HTTP CONNECT proxy (the apiserver's egress for `cluster` traffic: logs, exec, port-forward), whose
+    connections are made in the cluster network."""
+    request = await reader.readuntil(b"\r\n\r\n")
+    method, authority = request.decode(errors="replace").split()[:2]
+    host, _, port = authority.rpartition(":")
+    if method != "CONNECT" or not port.isdigit():
+        writer.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+        writer.close()
+        return
+    loop = asyncio.get_running_loop()
+    upstream = socket_in(netns)
+    try:
+        await loop.sock_connect(upstream, (host, int(port)))
+    except OSError as error:
+        upstream.close()
+        writer.write(f"HTTP/1.1 502 Bad Gateway\r\n\r\n{error}".encode())
+        writer.close()
+        return
+    writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+    up_reader, up_writer = await asyncio.open_connection(sock=upstream)
+    await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
 async def main(args: argparse.Namespace) -> None:
     for path in args.netns:
         netns = os.open(path, os.O_RDONLY)
         await listen(netns, ("127.0.0.1", args.api_port), None, ("127.0.0.1", args.api_port))
+    if args.egress:
+        cluster = os.open(args.egress_netns, os.O_RDONLY)
+        await asyncio.start_unix_server(lambda r, w: _http_connect(r, w, cluster), path=args.egress)
     control = Path(args.control)
     server = await asyncio.start_unix_server(_control, path=str(control))
     Path(f"{control}.ready").write_text("ok\n")
@@ -121,4 +151,6 @@ if __name__ == "__main__":
     parser.add_argument("--api-port", type=int, required=True)
     parser.add_argument("--netns", action="append", default=[])
     parser.add_argument("--control", required=True)
+    parser.add_argument("--egress", help="a unix socket for the apiserver's HTTP CONNECT egress")
+    parser.add_argument("--egress-netns", help="the namespace egress connections are made in")
     asyncio.run(main(parser.parse_args()))

@@ -133,3 +133,8 @@ def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_spe
         if "ro" not in seen["/"][1].split(","):
             wrong[f"{name} root filesystem"] = seen["/"]
     assert not wrong, wrong
+
+    # Debugging a pod as on any cluster: the apiserver reaches the kubelet (egress through the relay).
+    kubectl, first = cluster.control_plane.kubectl, workers[0].metadata.name
+    assert kubectl("exec", "-n", cluster.namespace, first, "--", "id", "-u").stdout.strip() == str(RUN_AS)
+    assert "iwg" in kubectl("logs", "-n", cluster.namespace, first).stdout.lower()
