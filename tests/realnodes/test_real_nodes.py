@@ -138,3 +138,7 @@ def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_spe
     kubectl, first = cluster.control_plane.kubectl, workers[0].metadata.name
     assert kubectl("exec", "-n", cluster.namespace, first, "--", "id", "-u").stdout.strip() == str(RUN_AS)
     assert "iwg" in kubectl("logs", "-n", cluster.namespace, first).stdout.lower()
+    assert (
+        f"Node:             {workers[0].spec.node_name}/"
+        in kubectl("describe", "pod", "-n", cluster.namespace, first).stdout
+    )
