@@ -4,7 +4,9 @@ libraries; the test environment and its Python bind-mounted read-only), see node
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 import yaml
 from iwg_operator.builders.common import CURVE_MOUNT
 
+from tests.cluster.waiting import eventually
 from tests.e2e.harness import group_manifest, live_ready_workers, openai_client, pod_ready
 from tests.realnodes.fixture import RealCluster, real_cluster
 from tests.realnodes.nodes import WORKER_IMAGE
@@ -69,8 +72,6 @@ def ids(pid: int) -> tuple[list[int], list[int]]:
 @pytest.fixture(scope="module")
 def serving(real_cluster: RealCluster) -> dict[str, Any]:
     """examples/minilm.yaml (two replicas) on the light image, serving; returns the group."""
-    from tests.cluster.waiting import eventually
-
     manifest = group_manifest(
         GROUP,
         worker={"image": WORKER_IMAGE, "imagePullPolicy": "Never", "shmSize": SHM_SIZE},
@@ -93,8 +94,6 @@ def serving(real_cluster: RealCluster) -> dict[str, Any]:
 def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_specified(
     real_cluster: RealCluster, serving: dict[str, Any]
 ) -> None:
-    from tests.cluster.waiting import eventually
-
     cluster, core = real_cluster, real_cluster.core
     driver = eventually(
         lambda: [
@@ -142,3 +141,31 @@ def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_spe
         f"Node:             {workers[0].spec.node_name}/"
         in kubectl("describe", "pod", "-n", cluster.namespace, first).stdout
     )
+
+
+def test_the_kubelet_runs_the_liveness_probe_the_operator_wrote(
+    real_cluster: RealCluster, serving: dict[str, Any]
+) -> None:
+    """A worker that stops answering is restarted by the kubelet, through the probe of its pod spec: the
+    operator (whose prober would replace the pod first) is paused meanwhile, so the kubelet alone acts."""
+    cluster, core = real_cluster, real_cluster.core
+    pod = live_ready_workers(core, cluster.namespace, GROUP)[0]
+    name, restarts = pod.metadata.name, pod.status.container_statuses[0].restart_count
+    pid = cluster.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
+
+    def restarted() -> bool:
+        status = core.read_namespaced_pod(name, cluster.namespace).status.container_statuses[0]
+        return bool(status.restart_count > restarts)
+
+    os.killpg(cluster.operator.pid, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        # (failureThreshold + 2) periods of 5 s, then the 30 s grace a stopped process does not use.
+        eventually(restarted, 150, f"the kubelet restarting {name}", interval=1.0)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+    finally:
+        os.killpg(cluster.operator.pid, signal.SIGCONT)
+    events = core.list_namespaced_event(cluster.namespace, field_selector=f"involvedObject.name={name}").items
+    unhealthy = [e.message for e in events if e.reason == "Unhealthy" and "Liveness" in e.message]
+    assert unhealthy and all("/healthz" in message for message in unhealthy), [e.message for e in events]
