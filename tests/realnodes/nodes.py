@@ -26,6 +26,7 @@ import functools
 import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -192,6 +193,7 @@ class RealNodes:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def _start(self, timeout: float) -> None:
+        sweep_stale()
         t0 = time.monotonic()
         archives = images()
         self.timings["images"] = time.monotonic() - t0
@@ -250,7 +252,8 @@ class RealNodes:
         for sub in ("run", "var-lib", "var-log", "sysctl", "cni", "etc"):
             (workdir / sub).mkdir(parents=True)
         holder = self._holder(name, ["--mount", "--net", "--propagation", "private"])
-        node = Node(index, name, holder, workdir, f"iwg-{self.token}-{name}")
+        # The owner's pid in the name lets a later start sweep what a killed test run left (sweep_stale).
+        node = Node(index, name, holder, workdir, f"iwg-{os.getpid()}-{self.token}-{name}")
         # The veth pair is made in the fabric namespace, its node end moved into the node's as eth0.
         self._in(
             self.fabric_netns,
@@ -557,3 +560,21 @@ def _remove_cgroups(name: str) -> None:
                 path.rmdir()
         with contextlib.suppress(OSError):
             root.rmdir()
+
+
+STALE_CGROUP = re.compile(r"iwg-(\d+)-[0-9a-f]+-realnode-\d+")
+
+
+def sweep_stale() -> list[str]:
+    """Kills the containers of nodes whose owning process is gone (a test run killed before its teardown)
+    and removes their cgroups; returns the cgroup names swept."""
+    stale = {
+        path.name
+        for hierarchy in _hierarchies()
+        for path in hierarchy.iterdir()
+        if (found := STALE_CGROUP.fullmatch(path.name)) and not psutil.pid_exists(int(found.group(1)))
+    }
+    for name in sorted(stale):
+        kill_until_gone(functools.partial(_cgroup_pids, name), pause_s=0.1)
+        _remove_cgroups(name)
+    return sorted(stale)
