@@ -432,6 +432,7 @@ class Controller:
             world_size=group.spec.world_size,
             revision=builders.revision(group, self.settings),
             max_unavailable=group.spec.rollout.max_unavailable,
+            max_surge=group.spec.rollout.max_surge,
         )
         gang_served = await self._gang_served() if group.spec.gang_enabled else False
         pods = self._observed_pods(state, desired)
@@ -443,7 +444,7 @@ class Controller:
         )
         gang_plan = planning.plan_gang(desired, gang_served, pod_groups, plan, loose)
         done: list[tuple[str, str]] = []  # (reason, message) of Events, posted after the status
-        await self._undrain_kept(state, group)
+        await self._undrain_kept(state, group, plan.extent)
         # New pods mount the Secret and must be fenced by the NetworkPolicies: before creating any, a group
         # that is not new looks at those too, in case their deletion has not reached the watch yet.
         if failure is None and (children_due or (plan.create and not fresh)):
@@ -646,23 +647,25 @@ class Controller:
     async def _drain_leaving(
         self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
     ) -> bool:
-        """Before a scale-down deletes pods (whoever lowered spec.replicas), every ready driver stops sending
-        batches to the leaving replicas and finishes the ones in flight, for at most
-        rollout.drainTimeoutSeconds. Returns False when the group's spec changed meanwhile (the plan is
-        stale)."""
+        """Before a scale-down deletes pods (whoever lowered spec.replicas, or a rollout's surge ending) and
+        before a rollout replaces a serving replica, every ready driver stops sending batches to those replicas
+        and finishes the ones in flight, for at most rollout.drainTimeoutSeconds. Returns False when the group's
+        spec changed meanwhile (the plan is stale; the rolled replicas serve again until it is made anew)."""
         leaving = [r for r in plan.scale_down if r not in state.drained]
+        rolled = [r for r in plan.rolled if r not in leaving]
         timeout = group.spec.rollout.drain_timeout_seconds
-        if not leaving or timeout == 0:
+        if not (leaving or rolled) or timeout == 0:
             return True
         started = time.monotonic()
+        draining = sorted([*leaving, *rolled])
         try:
             drivers = await drain_group_replicas(
-                self.kube, self.http(), group.namespace, group.name, group.spec.driver.port, leaving, timeout
+                self.kube, self.http(), group.namespace, group.name, group.spec.driver.port, draining, timeout
             )
             seconds = time.monotonic() - started
             where = "the driver" if len(drivers) == 1 else f"{len(drivers)} drivers"
             done.append(
-                ("DrainedReplicas", f"drained replicas {_ranges(leaving)} in {where} in {seconds:.1f}s")
+                ("DrainedReplicas", f"drained replicas {_ranges(draining)} in {where} in {seconds:.1f}s")
             )
         except NoReadyDriver:
             pass  # no driver routes anything to them
@@ -671,15 +674,20 @@ class Controller:
                 state,
                 "Warning",
                 "DrainFailed",
-                f"replicas {_ranges(leaving)} not drained ({error}); removing them anyway",
+                f"replicas {_ranges(draining)} not drained ({error}); removing them anyway",
                 once=False,
             )
         state.drained.update(leaving)
-        return state.group is group
+        if state.group is group:
+            return True
+        if rolled:
+            state.drained.update(rolled)  # the new plan may keep them: undrained unless it replaces them
+        return False
 
-    async def _undrain_kept(self, state: GroupState, group: builders.Group) -> None:
-        """Replicas drained for a scale-down that was undone before their pods went serve again."""
-        kept = sorted(r for r in state.drained if r < group.spec.replicas)
+    async def _undrain_kept(self, state: GroupState, group: builders.Group, extent: int) -> None:
+        """Replicas drained for a scale-down (or a rollout) that was undone before their pods went serve again.
+        `extent`: the replica indices the plan keeps (spec.replicas, and a rollout's surge)."""
+        kept = sorted(r for r in state.drained if r < extent)
         if not kept:
             return
         state.drained.difference_update(kept)

@@ -201,15 +201,18 @@ class Desired:
     world_size: int
     revision: str
     max_unavailable: int
+    max_surge: int = 0
 
 
 @dataclass(frozen=True)
 class PodPlan:
     create: tuple[tuple[int, int], ...]  # (replica, rank), lowest replica first
     delete: tuple[ObservedPod, ...]  # highest replica first
-    scale_down: tuple[int, ...]  # replicas removed because replicas shrank
+    scale_down: tuple[int, ...]  # replicas removed because replicas shrank (or a rollout's surge ended)
     replace: tuple[int, ...]  # replicas replaced because they run another revision
     waiting_for_termination: bool
+    rolled: tuple[int, ...] = ()  # of `replace`: serving replicas a rollout replaces (drained before they go)
+    extent: int = 0  # replica indices kept: replicas, and the surge replicas while a rollout runs
 
     @property
     def empty(self) -> bool:
@@ -264,20 +267,36 @@ def replica_views(desired: Desired, pods: Iterable[ObservedPod]) -> dict[int, Re
 def plan_pods(
     desired: Desired, pods: Iterable[ObservedPod], replacing: frozenset[int] = frozenset()
 ) -> PodPlan:
-    """`replacing`: replicas whose PodGroup is being deleted; their pods go and none is created for them."""
+    """`replacing`: replicas whose PodGroup is being deleted; their pods go and none is created for them.
+
+    A rollout with `max_surge` keeps `max_surge` more replicas of the new revision (indices from `replicas`
+    on) until every replica below `replicas` runs the new revision and serves; then they leave like a
+    scale-down. Of the replicas + surge, at most `max_unavailable` may be unavailable: a serving replica is
+    replaced only while that holds (surge replicas not serving yet count as unavailable)."""
     views = replica_views(desired, pods)
     delete: list[ObservedPod] = []
     scale_down: list[int] = []
     replace: list[int] = []
+    rolled: list[int] = []
     create: list[tuple[int, int]] = []
+
+    below = [views[i] for i in range(desired.replicas)]
+    extent = desired.replicas
+    if desired.max_surge > 0:
+        surge = range(desired.replicas, desired.replicas + desired.max_surge)
+        rolling = any(view.outdated for view in below)
+        surged = any(views[i].live for i in surge if i in views)
+        if rolling or (surged and not all(view.available for view in below)):
+            extent += desired.max_surge
+            views = replica_views(Desired(extent, desired.world_size, desired.revision, 0), pods)
 
     for index in sorted(views, reverse=True):
         view = views[index]
-        if index >= desired.replicas and view.live:
+        if index >= extent and view.live:
             scale_down.append(index)
             delete.extend(sorted(view.live, key=lambda p: -p.rank))
 
-    kept = [views[i] for i in range(desired.replicas)]
+    kept = [views[i] for i in range(extent)]
     unavailable = sum(1 for view in kept if not view.serving)
     budget = desired.max_unavailable - unavailable
     for view in sorted(kept, key=lambda v: -v.index):
@@ -292,6 +311,7 @@ def plan_pods(
             if budget <= 0:
                 continue
             budget -= 1
+            rolled.append(view.index)
         replace.append(view.index)
         delete.extend(sorted(view.live, key=lambda p: -p.rank))
 
@@ -307,6 +327,8 @@ def plan_pods(
         scale_down=tuple(scale_down),
         replace=tuple(sorted(replace, reverse=True)),
         waiting_for_termination=waiting,
+        rolled=tuple(sorted(rolled, reverse=True)),
+        extent=extent,
     )
 
 
@@ -364,7 +386,7 @@ def plan_gang(
         if not g.terminating
         and (
             not gang
-            or g.replica >= desired.replicas
+            or g.replica >= max(desired.replicas, plan.extent)
             or g.replica in replaced
             or g.min_count != desired.world_size
         )

@@ -128,7 +128,11 @@ def test_revision_follows_image_and_env_but_not_replicas() -> None:
 def test_driver_deployment_and_service() -> None:
     g = group(driver={"port": 9000, "batching": {"maxBatchSize": 8, "maxQueue": 64}})
     deployment = builders.driver_deployment(g)
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # A single driver surges too: a new pod Ready before the old one stops, never Recreate (a window of refusals).
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["iwg-driver"]
     env = env_of(container)
@@ -183,7 +187,18 @@ def test_several_drivers_roll_one_at_a_time_behind_a_budget_and_a_headless_servi
 def test_a_driver_pod_has_the_time_to_finish_what_it_admitted_before_it_is_killed() -> None:
     pod = builders.driver_deployment(group())["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]
-    assert grace > wiring.DRIVER_LAME_DUCK_S + wiring.DRIVER_DRAIN_S > 30  # Kubernetes' default would cut it
+    assert (
+        grace > wiring.DEFAULT_DRIVER_LAME_DUCK_S + wiring.DRIVER_DRAIN_S > 30
+    )  # Kubernetes' default would cut it
+    assert env_of(pod["containers"][0])[wiring.DRIVER_LAME_DUCK] == "5"
+
+
+def test_the_lame_duck_time_is_settable_and_the_grace_period_covers_it() -> None:
+    pod = builders.driver_deployment(group(driver={"lameDuckSeconds": 20}))["spec"]["template"]["spec"]
+    assert env_of(pod["containers"][0])[wiring.DRIVER_LAME_DUCK] == "20"
+    assert pod["terminationGracePeriodSeconds"] == 20 + wiring.DRIVER_DRAIN_S + 5
+    with pytest.raises(api.ManifestError, match=r"driver\.lameDuckSeconds"):
+        group(driver={"lameDuckSeconds": -1})
 
 
 def test_driver_replicas_are_bounded() -> None:

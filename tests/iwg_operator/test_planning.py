@@ -62,6 +62,46 @@ def test_rolling_replaces_at_most_max_unavailable_replicas() -> None:
     assert plan.replace == (3, 2)
 
 
+def test_a_rollout_drains_the_serving_replicas_it_replaces() -> None:
+    plan = plan_pods(Desired(2, 1, "r2", 1), full(2, 1, REV))
+    assert plan.replace == plan.rolled == (1,)
+    # An outdated replica that serves nothing is replaced at once, with nothing to drain.
+    plan = plan_pods(Desired(2, 1, "r2", 1), [pod(0, 0, REV), pod(1, 0, REV, ready=False)])
+    assert plan.replace == (1,) and plan.rolled == ()
+
+
+def test_one_replica_with_max_surge_serves_through_a_rollout() -> None:
+    """Every step of a rollout of 1 replica with maxSurge 1: some replica serves at each."""
+    desired = Desired(1, 2, "r2", 1, max_surge=1)
+    # 1. The surge replica (index 1) is made first; the old replica stays.
+    plan = plan_pods(desired, full(1, 2, REV))
+    assert plan.create == ((1, 0), (1, 1)) and plan.delete == () and plan.extent == 2
+    # 2. Until it serves, nothing is replaced.
+    starting = [*full(1, 2, REV), pod(1, 0, "r2"), pod(1, 1, "r2", ready=False)]
+    assert plan_pods(desired, starting).empty
+    # 3. It serves: the old replica is drained and replaced.
+    surged = [*full(1, 2, REV), pod(1, 0, "r2"), pod(1, 1, "r2")]
+    plan = plan_pods(desired, surged)
+    assert plan.replace == plan.rolled == (0,) and {p.replica for p in plan.delete} == {0}
+    assert plan.scale_down == ()
+    # 4. While the new replica 0 starts, the surge stays.
+    starting = [pod(0, 0, "r2"), pod(0, 1, "r2", ready=False), pod(1, 0, "r2"), pod(1, 1, "r2")]
+    plan = plan_pods(desired, starting)
+    assert plan.empty and plan.extent == 2
+    # 5. Replica 0 serves the new revision: the surge leaves like a scale-down (drained first).
+    plan = plan_pods(desired, full(2, 2, "r2"))
+    assert plan.scale_down == (1,) and {p.replica for p in plan.delete} == {1} and plan.extent == 1
+    # Settled, a group with maxSurge has no extra replica.
+    assert plan_pods(desired, full(1, 2, "r2")).empty
+
+
+def test_max_unavailable_counts_the_surge() -> None:
+    # 3 replicas + 1 surge, maxUnavailable 2: the surge starting uses one, so one old replica may go.
+    pods = [*full(3, 1, REV)]
+    plan = plan_pods(Desired(3, 1, "r2", 2, max_surge=1), pods)
+    assert plan.create == ((3, 0),) and plan.rolled == (2,)
+
+
 def test_rolling_waits_while_a_replica_is_unavailable() -> None:
     pods = [*full(3, 1, REV), pod(3, 0, "r2", ready=False)]
     plan = plan_pods(Desired(4, 1, "r2", 1), pods)

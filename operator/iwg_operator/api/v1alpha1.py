@@ -679,8 +679,20 @@ class DriverSpec(ApiModel):
         ge=1,
         le=MAX_DRIVER_REPLICAS,
         description=(
-            "Driver pods behind the group's Service; every worker serves every driver. With more than one, a "
-            "PodDisruptionBudget keeps one during voluntary disruption and updates roll one pod at a time."
+            "Driver pods behind the group's Service; every worker serves every driver. Updates roll one surge "
+            "pod at a time (an old pod stops once its successor is Ready), whatever the count; with more than "
+            "one, a PodDisruptionBudget keeps one during voluntary disruption."
+        ),
+    )
+    lame_duck_seconds: int = Field(
+        default=int(wiring.DEFAULT_DRIVER_LAME_DUCK_S),
+        ge=0,
+        le=300,
+        description=(
+            "Seconds a driver pod keeps serving after SIGTERM (each answer closing its connection) before it "
+            "stops accepting connections: the time the cluster takes to stop sending it new ones (the "
+            "EndpointSlice update reaching kube-proxy on every node, or a load balancer's deregistration). "
+            "The pod's terminationGracePeriodSeconds is this plus 30 s to finish admitted requests plus 5."
         ),
     )
     cpu: Quantity = Field(default=DEFAULT_DRIVER_CPU, description="CPU request and limit of the driver pod.")
@@ -927,7 +939,23 @@ class RolloutSpec(ApiModel):
     """How a change of worker image, env or world size is rolled out."""
 
     max_unavailable: int = Field(
-        default=1, ge=1, le=MAX_REPLICAS, description="Replicas that may be replaced at the same time."
+        default=1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description=(
+            "Replicas (of replicas + maxSurge) that may be unavailable at the same time while a rollout replaces"
+            " them; a replica being replaced is drained first, like a scale-down."
+        ),
+    )
+    max_surge: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_REPLICAS,
+        description=(
+            "Extra replicas of the new revision a rollout starts first (at indices from replicas on), removed"
+            " (drained) once every replica is replaced; 0 (GPUs are scarce) replaces in place. With 1 replica"
+            " and maxSurge 1 the new replica serves before the old one is drained."
+        ),
     )
     drain_timeout_seconds: int = Field(
         default=60,

@@ -34,9 +34,11 @@ HEARTBEAT_INTERVAL: Final = "IWG_HEARTBEAT_INTERVAL_S"
 DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0
 DEFAULT_HEARTBEAT_MISSES: Final = 3
 
-# A driver told to stop (SIGTERM) serves DRIVER_LAME_DUCK_S more (each answer closing its connection), then
-# finishes the requests it admitted for at most DRIVER_DRAIN_S; its pod's grace period covers both.
-DRIVER_LAME_DUCK_S: Final = 2.0
+# A driver told to stop (SIGTERM) serves DRIVER_LAME_DUCK more seconds (spec.driver.lameDuckSeconds; each answer
+# closing its connection), then finishes the requests it admitted for at most DRIVER_DRAIN_S; its pod's grace
+# period covers both. DEFAULT_DRIVER_LAME_DUCK_S when the variable is unset.
+DRIVER_LAME_DUCK: Final = "IWG_DRIVER_LAME_DUCK_S"
+DEFAULT_DRIVER_LAME_DUCK_S: Final = 5.0
 DRIVER_DRAIN_S: Final = 30.0
 
 # Benchmarks only: allow tcp without CURVE ("1"). Never set by the operator.

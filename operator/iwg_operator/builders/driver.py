@@ -31,8 +31,13 @@ from iwg_operator.builders.common import (
     with_spec_hash,
 )
 
-# Seconds from SIGTERM to SIGKILL for a driver pod: its lame-duck moment and its drain, with room to exit.
-DRIVER_GRACE_S = int(wiring.DRIVER_LAME_DUCK_S + wiring.DRIVER_DRAIN_S) + 5
+# Seconds from SIGTERM to SIGKILL for a driver pod beyond its lame-duck time: its drain, with room to exit.
+DRIVER_GRACE_AFTER_LAME_DUCK_S = int(wiring.DRIVER_DRAIN_S) + 5
+
+
+def driver_grace_seconds(group: Group) -> int:
+    """SIGTERM to SIGKILL: the driver's lame-duck time, its drain of admitted requests, and room to exit."""
+    return group.spec.driver.lame_duck_seconds + DRIVER_GRACE_AFTER_LAME_DUCK_S
 
 
 def driver_env(group: Group) -> list[Manifest]:
@@ -62,6 +67,7 @@ def driver_env(group: Group) -> list[Manifest]:
         {"name": wiring.MAX_QUEUE, "value": str(batching.max_queue)},
         {"name": wiring.ROUTING_POLICY, "value": spec.driver.routing.policy},
         {"name": wiring.ROUTING_LOAD_BOUND, "value": str(spec.driver.routing.load_bound)},
+        {"name": wiring.DRIVER_LAME_DUCK, "value": str(spec.driver.lame_duck_seconds)},
         *model_env(group),
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -90,9 +96,10 @@ def driver_deployment(group: Group) -> Manifest:
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
+        # Ready only while a replica serves through it (/readyz): a surge pod takes no client before then.
         "readinessProbe": {
             "httpGet": {**http_get, "path": "/readyz"},
-            "periodSeconds": 5,
+            "periodSeconds": 1,
             "failureThreshold": 2,
         },
         "securityContext": restricted_container_security(),
@@ -109,11 +116,9 @@ def driver_deployment(group: Group) -> Manifest:
         "metadata": metadata(group, name, labels.COMPONENT_DRIVER),
         "spec": {
             "replicas": replicas,
-            # One driver: replaced, not doubled (its clients see one restart). Several: one new pod at a time,
-            # none taken away before its replacement is Ready, so the others keep serving.
-            "strategy": {"type": "Recreate"}
-            if replicas == 1
-            else {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # One new pod at a time, none taken away before its replacement is Ready: a single driver is doubled
+            # for the moment of a rollout rather than gone (nothing in the pod, ports or volumes, needs it alone).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels.driver_selector(group.name)},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": keys_annotations(group)},
@@ -122,7 +127,7 @@ def driver_deployment(group: Group) -> Manifest:
                     "automountServiceAccountToken": False,
                     "securityContext": restricted_pod_security(),
                     # SIGTERM to SIGKILL: the driver's lame-duck moment and its drain of admitted requests.
-                    "terminationGracePeriodSeconds": DRIVER_GRACE_S,
+                    "terminationGracePeriodSeconds": driver_grace_seconds(group),
                     "containers": [container],
                     "volumes": [
                         tmp_volume(spec.driver.tmp_size),

@@ -121,6 +121,7 @@ async def _run(env: Mapping[str, str]) -> None:
     token = read_admin_token(env.get(wiring.ADMIN_TOKEN_FILE))
     port = _int(env, wiring.HTTP_PORT, wiring.DEFAULT_HTTP_PORT)
     host = env.get(wiring.HTTP_HOST) or "0.0.0.0"
+    lame_duck_s = _float(env, wiring.DRIVER_LAME_DUCK, wiring.DEFAULT_DRIVER_LAME_DUCK_S)
     executor = await asyncio.to_thread(ClusterExecutor.from_env, dict(env))
     pool = ExecutorPool(executor)
     logging.getLogger(__name__).info(
@@ -139,7 +140,7 @@ async def _run(env: Mapping[str, str]) -> None:
         port,
         token,
         drain_timeout_s=wiring.DRIVER_DRAIN_S,
-        lame_duck_s=wiring.DRIVER_LAME_DUCK_S,
+        lame_duck_s=lame_duck_s,
     )
 
 
