@@ -6,13 +6,16 @@ by default, the driver's pod template: both roll. The node agent runs the same l
 `iwg-driver` whatever the image says, so the new image is a new tag, and what is tested is the rollout.
 
 - 2 replicas (maxSurge 0): the driver surges (its new pod Ready before the old one stops), and each worker
-  replica is drained in the driver before its pods are deleted, one at a time: 0 requests lost.
+  replica is drained in the drivers before its pods are deleted, one at a time: 0 requests lost, and no
+  driver retries a batch (a replica deleted undrained cuts its batch in flight, which the driver sends again
+  to the other replica: the client would not see it, the drivers' iwg_batch_retries_total does).
 - 1 replica with rollout.maxSurge 1: a replica of the new revision serves before the old one is drained; the
   surge replica is drained and removed at the end: 0 requests lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -24,6 +27,7 @@ from kubernetes.client import ApiClient
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import Load, driver_pods, group_manifest, pod_ready, wait_serving, worker_pods
 from tests.e2e.service_proxy import ServiceProxy
+from tests.e2e.test_scale_down import retried_batches
 from tests.e2e.test_selfheal import MODEL, create, events
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
@@ -73,6 +77,7 @@ def test_a_new_image_under_load_loses_no_request(
     ).start()
     load = Load("127.0.0.1", MODEL, clients=2, inputs=4, port=proxy.listen_port).start()  # no retries
     indices: set[int] = set()
+    retries: dict[str, float] = {}  # driver pod -> iwg_batch_retries_total, last read
     try:
         time.sleep(SETTLE_S)
         patched = time.monotonic()
@@ -80,6 +85,10 @@ def test_a_new_image_under_load_loses_no_request(
 
         def done() -> bool:
             indices.update(replicas_seen(core, workspace, name))
+            for driver in driver_pods(core, workspace, name):
+                if driver.status.pod_ip:
+                    with contextlib.suppress(OSError):  # a driver that stopped keeps its last reading
+                        retries[driver.metadata.name] = retried_batches(driver.status.pod_ip)
             return rolled(core, workspace, name, replicas)
 
         eventually(done, 180, "every pod rolled onto the new image", interval=0.2)
@@ -93,12 +102,13 @@ def test_a_new_image_under_load_loses_no_request(
     print(
         f"rollout of {replicas} replica(s), maxSurge {max_surge}: {took:.1f} s, {load.ok} answered "
         f"({during} from the patch on), {len(load.failures)} failed, {proxy.connections} connections, "
-        f"{proxy.refused} refused; replica indices seen: {sorted(indices)}",
+        f"{proxy.refused} refused; replica indices seen: {sorted(indices)}; batches retried: {retries}",
         file=sys.__stderr__,  # the operator's KopfRunner holds sys.stdout and sys.stderr while it runs
     )
     assert load.failures == [], (len(load.failures), load.failures[:5])
     assert during >= 20, during
     assert proxy.refused == 0
+    assert len(retries) >= 2 and sum(retries.values()) == 0, retries  # both drivers read, no batch cut
     drained = " ".join(e.message for e in events(core, workspace, name, "DrainedReplicas"))
     if max_surge:
         # The surge replica existed, and was drained on its way out, as was the old replica 0.
