@@ -45,6 +45,12 @@ class RecordingKube:
         self.discoveries += 1  # the real client asks the server once and caches: not a call here
         return self.gang_served
 
+    async def list(
+        self, resource: Resource, namespace: str, label_selector: str, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The drivers a rollout's drain looks for: none runs here (not recorded: no test counts it)."""
+        return []
+
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", resource.plural, name))
         return copy.deepcopy(self.objects.get((resource.plural, name)))
