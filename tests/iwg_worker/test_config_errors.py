@@ -134,3 +134,13 @@ def test_the_drivers_routing_comes_from_the_group_and_a_bad_policy_names_the_var
         driver_config_from_env({**base, wiring.ROUTING_POLICY: "random"})
     with pytest.raises(ConfigError, match=wiring.ROUTING_LOAD_BOUND):
         driver_config_from_env({**base, wiring.ROUTING_LOAD_BOUND: "-1"})
+
+
+def test_a_bad_lame_duck_time_names_its_variable_before_the_driver_binds_anything() -> None:
+    import asyncio
+
+    from iwg_worker.driver.main import ConfigError, _run
+
+    env = {wiring.MODEL_TASK: "embed", wiring.SERVED_NAME: "m", wiring.DRIVER_LAME_DUCK: "soon"}
+    with pytest.raises(ConfigError, match=wiring.DRIVER_LAME_DUCK):
+        asyncio.run(_run(env))
