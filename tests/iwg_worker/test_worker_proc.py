@@ -4,11 +4,11 @@ unreachable driver costs a healthy one nothing), and cancelled generation reques
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -43,15 +43,22 @@ def health_port(worker_log: Path) -> int:
 
 # ZMQ queues 1000 messages for a peer that never connects; each heartbeat is one. 1300 heartbeats are the 20
 # minutes of a crash-looping second driver pod at the default 1 s. At 0.15 s a heartbeat's timeout (0.45 s)
-# still leaves room for a busy machine's scheduling delays.
+# still leaves room for a busy machine's scheduling delays. The healthy driver is used until ZMQ's queue for the
+# dead one is full (the worker's first drop, near heartbeat 1000) and for AFTER_DROPS_S more: a send that
+# waited for room would stop the heartbeats to the healthy driver within a heartbeat's timeout. The drops must
+# begin within twice the time of 1300 heartbeats (a busy machine's beats come late), and the worker never holds
+# a message back for the dead driver (its backlog stays empty).
 HEARTBEAT_S = 0.15
 BEATS = 1300
+ZMQ_QUEUE = 1000
+AFTER_DROPS_S = 5.0
 
 
 def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path: Path) -> None:
     """Two drivers named, one never up (its address refuses every connection: a crash-looping driver pod the
-    headless Service still lists). For 1300 heartbeats the healthy driver serves without a break: no replica
-    lost, no call failed, and the worker counts the dead driver as lost and drops what it cannot take."""
+    headless Service still lists). Past the point where ZMQ's queue for the dead driver is full the healthy
+    driver serves without a break: no replica lost, no call failed, and the worker counts the dead driver as
+    lost and drops what it cannot take, holding nothing back for it."""
     wired = wire_group(tmp_path, "twolinks", replicas=1, bound=1, heartbeat_s=HEARTBEAT_S, drivers=2)
     dead_rpc = wired.driver_envs[1][wiring.RPC_ENDPOINT]
     driver, driver_log = wired.start_driver(0)  # driver 1 never starts
@@ -60,23 +67,20 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
     try:
         wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
         port = health_port(worker_log)
-        answered, failures = asyncio.run(_embed_for(wired.url, BEATS * HEARTBEAT_S))
+        answered, failures, links = asyncio.run(_embed_until_dropped(wired.url, port, dead_rpc))
         log = driver_log.read_text(errors="replace")
         losses = log.count(" left: ")
-        print(
-            f"{BEATS} heartbeats of {HEARTBEAT_S} s: replica lost {losses} times, {len(failures)} calls failed"
-        )
-        assert losses == 0, log[-3000:]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
-            links = {d["endpoint"]: d for d in json.loads(resp.read())["drivers"]}
         dropped = worker_metric(port, "iwg_worker_dropped_messages_total")
         print(
-            f"{BEATS} heartbeats of {HEARTBEAT_S} s with a dead second driver: {answered} calls answered, "
-            f"{len(failures)} failed; the worker dropped {dropped:.0f} messages to the dead driver; links: {links}"
+            f"a dead second driver (heartbeats of {HEARTBEAT_S} s): {answered} calls answered, {len(failures)} "
+            f"failed, replica lost {losses} times; the worker dropped {dropped:.0f} messages to the dead driver; "
+            f"links: {links}"
         )
+        assert losses == 0, log[-3000:]
         assert not failures, failures[:5]
-        assert answered > BEATS
+        assert answered > ZMQ_QUEUE
         assert links[dead_rpc]["lost"] is True and links[dead_rpc]["connected"] is False
+        assert links[dead_rpc]["backlog"] == 0  # dropped at once, not held for a driver that is gone
         assert links[wired.driver_envs[0][wiring.RPC_ENDPOINT]]["connected"] is True
         assert dropped > 0  # ZMQ's queue for the dead driver filled, and the worker went on without waiting
         assert f"no driver has reached this worker on {dead_rpc}" in worker_log.read_text()
@@ -85,13 +89,32 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
         stop(driver, timeout=15)
 
 
-async def _embed_for(url: str, seconds: float) -> tuple[int, list[str]]:
-    """Embedding calls one after another for ``seconds``: (answered, failures)."""
+async def _embed_until_dropped(
+    url: str, health: int, dead_rpc: str
+) -> tuple[int, list[str], dict[str, dict[str, Any]]]:
+    """Embedding calls one after another until the worker has dropped messages to the dead driver, and for
+    ``AFTER_DROPS_S`` after: (answered, failures, the worker's links by endpoint at the end)."""
     started = time.monotonic()
+    deadline = started + 2 * BEATS * HEARTBEAT_S
     answered = 0
     failures: list[str] = []
+    dropping_since: float | None = None
+    checked = 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        while time.monotonic() - started < seconds:
+
+        async def links() -> dict[str, dict[str, Any]]:
+            async with session.get(f"http://127.0.0.1:{health}/healthz") as resp:
+                return {d["endpoint"]: d for d in (await resp.json(content_type=None))["drivers"]}
+
+        while dropping_since is None or time.monotonic() - dropping_since < AFTER_DROPS_S:
+            now = time.monotonic()
+            if dropping_since is None and now - checked >= 0.5:
+                checked = now
+                dead = (await links())[dead_rpc]
+                assert dead["backlog"] == 0, f"the worker holds messages for a driver that is gone: {dead}"
+                if dead["dropped"] > 0:
+                    dropping_since = now
+                assert now < deadline, f"no message to the dead driver dropped in {now - started:.0f} s"
             body = {"model": "minilm", "input": f"sentence {answered} about owls"}
             try:
                 async with session.post(f"{url}/v1/embeddings", json=body) as resp:
@@ -101,8 +124,10 @@ async def _embed_for(url: str, seconds: float) -> tuple[int, list[str]]:
                         failures.append(f"HTTP {resp.status}: {await resp.text()}")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
+            if failures:
+                break  # the healthy driver paid for the dead one
             await asyncio.sleep(0.05)
-    return answered, failures
+        return answered, failures, await links()
 
 
 # -- cancelled streams -----------------------------------------------------------------------------------
