@@ -63,6 +63,7 @@ WORKER_IMAGE = "iwg.local/iwg-worker-light:1"
 # The sysctls the kubelet sets host-wide at start; inside a node they are files of its own.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+GPU_RESOURCE = "nvidia.com/gpu"
 CTR = "ctr --address /run/containerd/containerd.sock --namespace k8s.io"
 # What every container gets besides its own env (the base runtime spec's; image and pod env come after): the
 # node agent's pod env (no model hubs, one thread per process on a shared machine, the repository importable).
@@ -164,6 +165,13 @@ class RealNodes:
         if not answer.isdigit():
             raise RuntimeError(f"relay to {ip}:{port}: {answer}")
         return int(answer)
+
+    def advertise_gpus(self, node_name: str, count: int) -> None:
+        """Simulated GPUs: `nvidia.com/gpu` added to the node's capacity by a status patch (an extended
+        resource, as an administrator advertises one); the kubelet keeps it and derives its allocatable, the
+        scheduler counts it. No device is set up in the containers: no device plugin is involved."""
+        core = client.CoreV1Api(self.cp.api_client())
+        core.patch_node_status(node_name, {"status": {"capacity": {GPU_RESOURCE: str(count)}}})
 
     def container_pid(self, node_name: str, container_id: str) -> int:
         """The host pid of a container's first process (`container_id` as a pod's status gives it)."""

@@ -17,7 +17,7 @@ from iwg_operator.builders.common import CURVE_MOUNT
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import group_manifest, live_ready_workers, openai_client, pod_ready
 from tests.realnodes.fixture import RealCluster, real_cluster
-from tests.realnodes.nodes import WORKER_IMAGE
+from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
 
 __all__ = ["real_cluster"]
 
@@ -169,3 +169,49 @@ def test_the_kubelet_runs_the_liveness_probe_the_operator_wrote(
     events = core.list_namespaced_event(cluster.namespace, field_selector=f"involvedObject.name={name}").items
     unhealthy = [e.message for e in events if e.reason == "Unhealthy" and "Liveness" in e.message]
     assert unhealthy and all("/healthz" in message for message in unhealthy), [e.message for e in events]
+
+
+def test_simulated_gpus_advertised_on_a_real_node_are_scheduled_and_admitted_by_its_kubelet(
+    real_cluster: RealCluster,
+) -> None:
+    cluster, core = real_cluster, real_cluster.core
+    node = cluster.nodes.names[-1]
+    cluster.nodes.advertise_gpus(node, 2)
+    eventually(
+        lambda: core.read_node(node).status.allocatable.get(GPU_RESOURCE) == "2",
+        30,
+        "the kubelet's allocatable to count the GPUs",
+    )
+
+    def pod(name: str, gpus: int) -> dict[str, Any]:
+        limits = {GPU_RESOURCE: str(gpus)}
+        container = {
+            "name": "c",
+            "image": WORKER_IMAGE,
+            "imagePullPolicy": "Never",
+            "command": ["sleep", "600"],
+            "resources": {"requests": limits, "limits": limits},
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]},
+        }
+
+    core.create_namespaced_pod(cluster.namespace, pod("two-gpus", 2))
+    core.create_namespaced_pod(cluster.namespace, pod("three-gpus", 3))
+    try:
+        running = eventually(
+            lambda: (
+                (p := core.read_namespaced_pod("two-gpus", cluster.namespace)).status.phase == "Running" and p
+            ),
+            60,
+            "the pod asking for two GPUs running",
+        )
+        assert running.spec.node_name == node
+        waiting = core.read_namespaced_pod("three-gpus", cluster.namespace)
+        assert waiting.status.phase == "Pending" and waiting.spec.node_name is None
+    finally:
+        for name in ("two-gpus", "three-gpus"):
+            core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
