@@ -302,3 +302,39 @@ async def test_a_group_in_a_namespace_being_deleted_stops_without_retries_or_war
     finally:
         await controller.close()
         core.patch_namespaced_config_map("hold", namespace, {"metadata": {"finalizers": None}})
+
+
+def test_the_workers_budget_counts_pods_and_admits_an_eviction(
+    scheduler: Any, controller_manager: Any, gpu_nodes: list[str], groups: Groups, operator: Any, k8s: Any
+) -> None:
+    """The eviction API (kubectl drain, cluster autoscalers) against the workers' PodDisruptionBudget, with the
+    real disruption controller: 2 replicas of worldSize 2, maxUnavailable 1: the budget expects 4 pods and lets
+    2 go. With maxUnavailable on the PDB (before) the controller had to resolve the group's scale subresource
+    (replicas, not pods), and on this control plane never did: expected 0, allowed 0, every eviction refused."""
+    ns = groups.namespace
+    groups.create("evict", replicas=2, worldSize=2, worker={"gpus": 0}, scheduling={
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})  # fmt: skip
+    eventually(lambda: ready_replicas(groups, "evict", 2), what="2 ready replicas")
+    policy, core = client.PolicyV1Api(k8s), client.CoreV1Api(k8s)
+
+    def budget() -> Any:
+        return policy.read_namespaced_pod_disruption_budget("evict-workers", ns).status
+
+    eventually(
+        lambda: budget().expected_pods == 4 and budget().disruptions_allowed == 2,
+        what="the budget: 4 pods expected, 2 may go",
+    )
+
+    def evict(name: str) -> int:
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=ns))
+        try:
+            core.create_namespaced_pod_eviction(name, ns, body)
+            return 201
+        except ApiException as error:
+            return int(error.status)
+
+    # The first eviction passes (before: 429, the budget never computed). What more evictions do right after
+    # is not asserted: the simulated nodes make a replacement Ready within moments, and three evictions sent one
+    # after another or at once were all admitted in 4 runs of 9 (not understood yet; issue 29, item 2).
+    assert evict("evict-r1-w1") == 201, budget()
+    groups.delete("evict")

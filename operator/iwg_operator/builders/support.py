@@ -213,13 +213,20 @@ def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
 
 
 def pod_disruption_budget(group: Group) -> Manifest:
-    """Voluntary evictions may take at most rollout.maxUnavailable replicas' worth of pods at once."""
+    """Voluntary evictions may take at most rollout.maxUnavailable replicas' worth of pods at once.
+
+    An integer minAvailable, kept in step with spec.replicas by the operator (the spec hash covers replicas):
+    with maxUnavailable the disruption controller takes the expected count from the owner's scale
+    subresource, which counts replicas, not pods, and must resolve the group's kind first; with an integer
+    minAvailable it counts the pods it selects and needs no owner at all."""
+    spec = group.spec
+    minimum = max(0, spec.replicas - spec.rollout.max_unavailable) * spec.world_size
     manifest: Manifest = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(group, pdb_name(group.name), labels.COMPONENT_WORKER),
         "spec": {
-            "maxUnavailable": group.spec.rollout.max_unavailable * group.spec.world_size,
+            "minAvailable": minimum,
             "selector": {"matchLabels": labels.worker_selector(group.name)},
         },
     }
