@@ -59,22 +59,71 @@ class _GenerationRequest(_Request):
     user: ShortStr | None = None
 
 
+JsonObject = dict[str, Any]
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class JsonSchemaFormat(_Request):
+    name: FunctionName
+    description: Annotated[StrictStr, Field(max_length=4096)] | None = None
+    schema_: Annotated[JsonObject | None, Field(alias="schema")] = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (JSON valid under ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class FunctionCall(_Request):
+    name: FunctionName
+    arguments: Annotated[StrictStr, Field(max_length=65_536)]
+
+
+class ToolCall(_Request):
+    id: ShortStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[StrictStr, Field(max_length=32_768)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[StrictStr, Field(max_length=32_768)] | None = None
     name: ShortStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=64)] | None = None
+    tool_call_id: ShortStr | None = None
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Annotated[StrictStr, Field(max_length=4096)] | None = None
+    parameters: JsonObject | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -83,6 +132,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
 
 class EmbeddingData(BaseModel):
@@ -140,16 +192,28 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

@@ -39,6 +39,7 @@ from iwg_worker.driver.openai_api import (
     EmbeddingUsage,
     ModelCard,
     ModelList,
+    ResponseToolCall,
     Usage,
     _GenerationRequest,
     no_replica_error,
@@ -54,6 +55,12 @@ from iwg_worker.driver.pool import (
 )
 from iwg_worker.driver.router import NoReplica, Router, RoutingPolicy
 from iwg_worker.driver.streams import GenerationService, StreamInterrupted, StreamUsage
+from iwg_worker.driver.structured import (
+    Constraint,
+    ToolCallReader,
+    chat_constraint,
+    response_format_constraint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +210,10 @@ class Driver:
             text = prefix + "".join(item["text"] for item in items)
             out.append(
                 CompletionChoice(
-                    text=text, index=choice.index, logprobs=logprobs, finish_reason=_finish(choice.usage)
+                    text=text,
+                    index=choice.index,
+                    logprobs=logprobs,
+                    finish_reason="length" if choice.usage.finish_reason == "length" else "stop",
                 )
             )
         return CompletionResponse(
@@ -214,19 +224,27 @@ class Driver:
         """A chat completion: the messages rendered with the model's chat template by the worker."""
         choices = self._chat_choices(req)
         results = await self._collect(choices)
-        out = [
-            ChatCompletionChoice(
-                index=choice.index,
-                message=ChatCompletionMessage(content="".join(item["text"] for item in items)),
-                logprobs=(
-                    ChatLogprobs(content=[e for item in items for e in chat_logprobs(item)])
-                    if req.logprobs
-                    else None
-                ),
-                finish_reason=_finish(choice.usage),
+        out = []
+        for choice, items in zip(choices, results, strict=True):
+            text = "".join(item["text"] for item in items)
+            reader = choice.reader()
+            message = ChatCompletionMessage(content=text)
+            if reader is not None:
+                reader.feed(text)
+                calls = [ResponseToolCall.model_validate(c) for c in reader.calls]
+                message = ChatCompletionMessage(content=None, tool_calls=calls)
+            out.append(
+                ChatCompletionChoice(
+                    index=choice.index,
+                    message=message,
+                    logprobs=(
+                        ChatLogprobs(content=[e for item in items for e in chat_logprobs(item)])
+                        if req.logprobs
+                        else None
+                    ),
+                    finish_reason=_finish(choice.usage, reader is not None),
+                )
             )
-            for choice, items in zip(choices, results, strict=True)
-        ]
         return ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model, choices=out, usage=_usage(choices)
         )
@@ -260,19 +278,22 @@ class Driver:
         """The chunks of a streamed chat completion (``chat.completion.chunk``: the role in the first delta)."""
         choices = self._chat_choices(req)
         started: set[int] = set()
+        readers = {choice.index: choice.reader() for choice in choices}
 
         def render(choice: _Choice, item: dict[str, Any]) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": item["text"]}
+            reader = readers[choice.index]
+            if reader is not None:
+                calls = reader.feed(item["text"])
+                delta = {"tool_calls": calls} if calls else {}
+            finish = item["finish_reason"]
+            if finish is not None and reader is not None and finish != "length":
+                finish = "tool_calls"
             if choice.index not in started:
                 started.add(choice.index)
                 delta = {"role": "assistant", **delta}
             logprobs = ChatLogprobs(content=chat_logprobs(item)).model_dump() if req.logprobs else None
-            return {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": item["finish_reason"],
-            }
+            return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         return self._chunks(req, choices, "chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", render)
 
@@ -344,6 +365,9 @@ class Driver:
                 code="unsupported_parameter",
             )
         params = self._sampling(req, count=len(prompts) * req.n)
+        constraint = response_format_constraint(req.response_format)
+        if constraint is not None:
+            params |= constraint.engine_fields()
         if req.logprobs is not None:
             params |= {"logprobs": True, "top_logprobs": req.logprobs}
         choices: list[_Choice] = []
@@ -367,7 +391,23 @@ class Driver:
     def _chat_choices(self, req: ChatCompletionRequest) -> list[_Choice]:
         self._check_model(req.model, "generate", "/v1/chat/completions")
         for i, message in enumerate(req.messages):
-            self._check_text(message.content, f"messages[{i}].content", allow_empty=True)
+            if message.content is None and not message.tool_calls:
+                raise ApiError(
+                    400,
+                    f"'messages[{i}].content' is required (only an assistant message with tool_calls may "
+                    "leave it out).",
+                    param=f"messages[{i}].content",
+                    code="invalid_value",
+                )
+            if message.tool_calls and message.role != "assistant":
+                raise ApiError(
+                    400,
+                    f"'messages[{i}].tool_calls' belongs to assistant messages.",
+                    param=f"messages[{i}].tool_calls",
+                    code="invalid_value",
+                )
+            self._check_text(message.content or "", f"messages[{i}].content", allow_empty=True)
+        constraint = chat_constraint(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(
                 400,
@@ -378,8 +418,17 @@ class Driver:
         params = self._sampling(req, req.max_completion_tokens or req.max_tokens, count=req.n)
         if req.logprobs:
             params |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
-        request = {**params, "messages": [{"role": m.role, "content": m.content} for m in req.messages]}
-        return [_Choice(j, _nth_sample(request, j), counts_prompt=j == 0) for j in range(req.n)]
+        if constraint is not None:
+            params |= constraint.engine_fields()
+        messages = [
+            m.model_dump(exclude_none=True, include={"role", "content", "tool_calls", "tool_call_id", "name"})
+            for m in req.messages
+        ]
+        request = {**params, "messages": messages}
+        if req.tools is not None and req.tool_choice != "none":
+            request["tools"] = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools]
+        tools = constraint if constraint is not None and constraint.tools else None
+        return [_Choice(j, _nth_sample(request, j), counts_prompt=j == 0, tools=tools) for j in range(req.n)]
 
     def _sampling(
         self, req: _GenerationRequest, max_tokens: int | None = None, count: int = 1
@@ -670,8 +719,10 @@ class Driver:
         return {"max_batch_size": params.max_batch_size, "max_wait_ms": params.max_wait_s * 1000.0}
 
 
-def _finish(usage: StreamUsage) -> Literal["stop", "length"]:
-    return "length" if usage.finish_reason == "length" else "stop"
+def _finish(usage: StreamUsage, tool_calls: bool = False) -> Literal["stop", "length", "tool_calls"]:
+    if usage.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def _usage(choices: list[_Choice]) -> Usage:
@@ -691,6 +742,10 @@ class _Choice:
     echo_tokens: bool = False  # a token-id prompt echoed: its text comes with the engine's answer
     counts_prompt: bool = True  # the first choice of its prompt: usage counts the prompt's tokens once
     usage: StreamUsage = field(default_factory=StreamUsage)
+    tools: Constraint | None = None  # a forced tool call: the text is read as tool calls
+
+    def reader(self) -> ToolCallReader | None:
+        return ToolCallReader(self.tools) if self.tools is not None else None
 
     def prefix(self) -> str:
         if self.echo is not None:

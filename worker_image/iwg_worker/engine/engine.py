@@ -6,7 +6,8 @@ and bounded (``num_blocks`` or a fraction of free memory); when it is full, requ
 offloaded and resumed later. This class adds what serving needs around it:
 
 - requests are checked before they enter (`parse_request`): one bad request is refused alone;
-- sampling is per request and seeded (`RequestSampler`), logprobs are kept per token;
+- sampling is per request and seeded (`RequestSampler`), logprobs are kept per token; a request with a JSON
+  schema has its logits masked by xgrammar (structured outputs, `structured.py`) in the same step as the others;
 - every step's new tokens of every running request leave as ONE list of stream items handed to the sink (the
   worker's output path sends it as one ``stream`` message), with stop strings found while decoding;
 - cancelling a request frees its cache blocks at the next step;
@@ -40,6 +41,7 @@ from iwg_worker.engine.front import RequestFront
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import PARAMS_KEY, RequestSampler, TokenLogprobs, sampler_list
 from iwg_worker.engine.streams import RequestStream
+from iwg_worker.engine.structured import BACKEND, matcher
 from iwg_worker.protocol import REPLICA_FAILURE
 
 log = logging.getLogger(__name__)
@@ -199,6 +201,8 @@ class GenerationEngine(RequestFront):
                 request, self._decode, self.eos_token_ids, self._token_text
             )
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if request.grammar is not None:
+            self.sampler.constrain(request.request_id, matcher(request.grammar, self.eos_token_ids))
         accepted = self.manager.add_request(
             list(request.prompt_ids),
             request_id=request.request_id,
@@ -210,6 +214,7 @@ class GenerationEngine(RequestFront):
         if accepted is None:
             with self._lock:
                 self._streams.pop(request.request_id, None)
+            self.sampler.forget(request.request_id)
             raise RequestRejected(
                 "request", "the engine is not accepting requests (stopping or failed)", "unavailable"
             )
@@ -333,6 +338,7 @@ class GenerationEngine(RequestFront):
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_evictions": self.prefix_evictions,
+            "structured_outputs": BACKEND,
             "engine_running": self.running,
         }
 

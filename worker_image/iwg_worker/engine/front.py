@@ -8,21 +8,64 @@ same helpers, so both engines spell text and logprob tokens alike.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 from abc import ABC, abstractmethod
 from typing import Any
 
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.structured import SchemaCompiler
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A chat's prompt tokens: the model's own chat template, with the assistant's turn opened."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    """A chat's prompt tokens: the model's own chat template, with the assistant's turn opened.
+
+    Tools and the tool calls of assistant messages go to the template as transformers passes them (``tools=``,
+    ``tool_calls`` with their arguments as objects) when the template reads them; a template that does not
+    (SmolLM2's) gets each assistant message's calls as its content, the JSON the model answered them with."""
+    template = str(tokenizer.chat_template or "")
+    if "tool_calls" in template:
+        messages = [_calls_as_objects(m) for m in messages]
+    else:
+        messages = [_calls_as_content(m) for m in messages]
+    extra = {"tools": tools} if tools and "tools" in template else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _calls_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        with contextlib.suppress(TypeError, ValueError):
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        out.append({**call, "function": function})
+    return {**message, "tool_calls": out}
+
+
+def _calls_as_content(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return {k: v for k, v in message.items() if k in ("role", "content")}
+    answered = [
+        {
+            "name": (c.get("function") or {}).get("name"),
+            "arguments": (c.get("function") or {}).get("arguments"),
+        }
+        for c in calls
+    ]
+    return {"role": message["role"], "content": message.get("content") or json.dumps(answered)}
 
 
 class RequestFront(ABC):
     tokenizer: Any
     limits: ModelLimits
+    eos_token_ids: frozenset[int]
+    _schemas: SchemaCompiler | None = None
 
     @property
     @abstractmethod
@@ -36,8 +79,21 @@ class RequestFront(ABC):
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.tokenizer, messages)
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+        return render_chat(self.tokenizer, messages, tools)
+
+    def _compile(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with its JSON schema compiled (xgrammar), or `RequestRejected` naming its field."""
+        schema = request.params.json_schema
+        if schema is None:
+            return request
+        if self.tokenizer is None:
+            raise RequestRejected(
+                request.json_param, "this model has no tokenizer to constrain", "unsupported"
+            )
+        if self._schemas is None:
+            self._schemas = SchemaCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
+        return dataclasses.replace(request, grammar=self._schemas.compile(schema, request.json_param))
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -65,7 +121,7 @@ class RequestFront(ABC):
         for raw in raw_requests:
             request_id = raw.get("id") if isinstance(raw, dict) else None
             try:
-                request = parse_request(raw, self.limits, tokenize, chat)
+                request = self._compile(parse_request(raw, self.limits, tokenize, chat))
                 self._admit(request)
             except RequestRejected as exc:
                 answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})

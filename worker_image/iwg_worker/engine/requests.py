@@ -51,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    json_schema: str | None = None  # the output must be JSON valid under this schema (compiled by xgrammar)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +64,8 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     echo: bool = False  # the admission answer carries the prompt's text (a token-id prompt echoed back)
+    json_param: str = "response_format"  # the client's field the schema came from (what a refusal names)
+    grammar: Any = field(default=None, compare=False)  # the schema compiled (xgrammar), set at admission
 
 
 _KEYS = frozenset(
@@ -82,11 +85,15 @@ _KEYS = frozenset(
         "logprobs",
         "top_logprobs",
         "echo",
+        "json_schema",
+        "json_param",
+        "tools",
     }
 )
+MAX_SCHEMA_CHARS = 65_536
 
 
-def _chat_prompt(messages: Any, render_chat: Any) -> tuple[int, ...]:
+def _chat_prompt(messages: Any, tools: Any, render_chat: Any) -> tuple[int, ...]:
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
         raise RequestRejected("messages", f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
     for i, message in enumerate(messages):
@@ -94,15 +101,22 @@ def _chat_prompt(messages: Any, render_chat: Any) -> tuple[int, ...]:
             raise RequestRejected(
                 f"messages[{i}].role", f"'messages[{i}].role' must be one of {list(CHAT_ROLES)}"
             )
-        if not isinstance(message.get("content"), str):
+        calls = message.get("tool_calls")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+            raise RequestRejected(
+                f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' is a list on assistant messages"
+            )
+        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
             raise RequestRejected(f"messages[{i}].content", f"'messages[{i}].content' must be a string")
+    if tools is not None and not isinstance(tools, list):
+        raise RequestRejected("tools", "'tools' must be a list")
     if render_chat is None:
         raise RequestRejected(
             "messages",
             "this model has no chat template: send a prompt to /v1/completions",
             "unsupported_input",
         )
-    return tuple(render_chat(messages))
+    return tuple(render_chat(messages, tools))
 
 
 def _int(raw: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -143,7 +157,7 @@ def _token_ids(value: Any, key: str, limits: ModelLimits, max_len: int) -> tuple
     return tuple(value)
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 256
 
 
@@ -151,7 +165,7 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
     """A request map from the driver -> a checked `GenerationRequest`; `RequestRejected` naming the field.
 
     ``tokenize(text) -> list[int]`` turns a text prompt into token ids (None: this model has no tokenizer);
-    ``render_chat(messages) -> list[int]`` renders chat messages with the model's template (None: it has none)."""
+    ``render_chat(messages, tools) -> list[int]`` renders chat messages with the model's template (None: it has none)."""
     if not isinstance(raw, dict):
         raise RequestRejected("request", f"a generation request must be a map, got {type(raw).__name__}")
     unknown = sorted(str(k) for k in raw.keys() - _KEYS)
@@ -162,7 +176,7 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         raise RequestRejected("id", "'id' must be a string of 1 to 128 characters")
     context = limits.context_length
     if raw.get("messages") is not None:
-        prompt_ids = _chat_prompt(raw["messages"], render_chat)
+        prompt_ids = _chat_prompt(raw["messages"], raw.get("tools"), render_chat)
     elif raw.get("prompt_ids") is not None:
         prompt_ids = _token_ids(raw["prompt_ids"], "prompt", limits, context)
     elif isinstance(raw.get("prompt"), str):
@@ -207,6 +221,14 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
     for flag in ("ignore_eos", "logprobs", "echo"):
         if type(raw.get(flag, False)) is not bool:
             raise RequestRejected(flag, f"'{flag}' must be a boolean")
+    json_schema = raw.get("json_schema")
+    json_param = raw.get("json_param") or "response_format"
+    if not isinstance(json_param, str) or len(json_param) > 128:
+        raise RequestRejected("json_param", "'json_param' must be a field name")
+    if json_schema is not None and (not isinstance(json_schema, str) or len(json_schema) > MAX_SCHEMA_CHARS):
+        raise RequestRejected(
+            json_param, f"the schema must be JSON text of at most {MAX_SCHEMA_CHARS} characters"
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(raw, "temperature", 1.0, 0.0, 2.0),
@@ -218,5 +240,8 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         ignore_eos=bool(raw.get("ignore_eos", False)),
         logprobs=bool(raw.get("logprobs", False)),
         top_logprobs=_int(raw, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS),
+        json_schema=json_schema,
     )
-    return GenerationRequest(request_id, prompt_ids, params, echo=bool(raw.get("echo", False)))
+    return GenerationRequest(
+        request_id, prompt_ids, params, echo=bool(raw.get("echo", False)), json_param=json_param
+    )

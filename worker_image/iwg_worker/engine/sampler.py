@@ -7,6 +7,10 @@ greedy pick (``do_sample=False``) takes as is. A row's random draw comes from a 
 request's seed and the token's position, so the same seeded request gives the same tokens whatever shares its
 step. The log-probabilities of the chosen and the top tokens (of the model's own distribution, before
 temperature and filtering, as OpenAI reports them) are kept per request for the engine's output path.
+
+A request with a JSON schema (structured outputs) has an xgrammar `GrammarMatcher`: its row's logits are
+masked by the matcher's token bitmask before the choice (xgrammar fills and applies the masks of a step's
+constrained rows together), and the chosen token advances the matcher. Unconstrained rows are not touched.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
         self._lock = threading.Lock()
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
         self.keep_logprobs = True
+        self._matchers: dict[str, Any] = {}  # request id -> its grammar's matcher (constrained requests)
+        self._bitmask: torch.Tensor | None = None
+
+    def constrain(self, request_id: str, matcher: Any) -> None:
+        """Constrain a request's tokens by an xgrammar matcher (before the request enters the engine)."""
+        with self._lock:
+            self._matchers[request_id] = matcher
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.zero_()
@@ -66,10 +77,14 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
         rows = self._rows
         n = min(len(rows), scores.size(0))
         logits = scores[:n].float()
-        chosen = torch.argmax(logits, dim=-1)
         log_probs: torch.Tensor | None = None
         if self.keep_logprobs and any(p.logprobs or p.top_logprobs for _, p, _ in rows[:n]):
             log_probs = torch.log_softmax(logits, dim=-1)
+        with self._lock:
+            matchers = [self._matchers.get(request_id) for request_id, _, _ in rows[:n]]
+        if any(m is not None for m in matchers):
+            logits = self._mask(logits, matchers)
+        chosen = torch.argmax(logits, dim=-1)
         for i, (_request_id, params, position) in enumerate(rows[:n]):
             if not params.greedy:
                 chosen[i] = _sample(logits[i], params, position)
@@ -80,9 +95,30 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
                         self.logprobs.setdefault(request_id, []).append(
                             _token_logprobs(log_probs[i], int(chosen[i]), params.top_logprobs)
                         )
+        for i, m in enumerate(matchers):
+            if m is not None and not m.is_terminated():
+                m.accept_token(int(chosen[i]))
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(n), chosen] = 0.0
         return out
+
+    def _mask(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+        """The logits with each constrained row's disallowed tokens at -inf (xgrammar's bitmask)."""
+        import xgrammar as xgr
+
+        vocab = logits.size(-1)
+        if self._bitmask is None or self._bitmask.size(0) < len(matchers):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 64), vocab)
+        bitmask = self._bitmask[: len(matchers)]
+        rows = []
+        for i, m in enumerate(matchers):
+            if m is not None and not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, i)
+                rows.append(i)
+        if rows:
+            logits = logits.clone()
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+        return logits
 
     def take_logprobs(self, request_id: str, count: int) -> list[TokenLogprobs]:
         """The first ``count`` recorded entries of a request (removed), in token order."""
@@ -94,6 +130,7 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
     def forget(self, request_id: str) -> None:
         with self._lock:
             self.logprobs.pop(request_id, None)
+            self._matchers.pop(request_id, None)
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from iwg_worker.engine.front import RequestFront
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import TokenLogprobs
 from iwg_worker.engine.streams import RequestStream
+from iwg_worker.engine.structured import BACKEND
 from iwg_worker.protocol import REPLICA_FAILURE
 from iwg_worker.spawned import mark_spawner
 
@@ -153,6 +154,8 @@ class VllmEngine(RequestFront):
             seed=0,
             enforce_eager=options.enforce_eager,
             enable_prefix_caching=True,
+            # Structured outputs: xgrammar, compact JSON, as `structured.SchemaCompiler` checks schemas.
+            structured_outputs_config=_structured_outputs_config(),
             # vLLM keeps one block aside (its null block): one more, so that the given number can be used.
             num_gpu_blocks_override=config.num_blocks + 1 if config.num_blocks else None,
             disable_log_stats=False,  # the scheduler's stats reach `stats` through a stat logger
@@ -211,6 +214,8 @@ class VllmEngine(RequestFront):
         return self.options.rank == 0
 
     def _admit(self, request: GenerationRequest) -> None:
+        if request.params.json_schema is not None:
+            _check_vllm_schema(request.params.json_schema, request.json_param)
         if self._failed is not None or self._stopping:
             raise RequestRejected(
                 "request", "the engine is not accepting requests (stopping or failed)", "unavailable"
@@ -396,6 +401,7 @@ class VllmEngine(RequestFront):
             "block_size": self._block_size,
             "prefix_cache_queries": self._recorder.prefix_queries,
             "prefix_cache_hits": self._recorder.prefix_hits,
+            "structured_outputs": BACKEND,
             "engine_running": self.running,
         }
 
@@ -439,6 +445,32 @@ def _cache_size(config: EngineConfig, options: VllmOptions) -> dict[str, Any]:
     return {"kv_cache_memory_bytes": max(size, 64 * 1024**2)}
 
 
+def _check_vllm_schema(schema: str, param: str) -> None:
+    """vLLM's own checks of a schema for its xgrammar backend (it would fail the request later, in its engine
+    loop): the keywords it refuses, and its nesting limit."""
+    from vllm.sampling_params import check_json_nesting
+    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+
+    try:
+        check_json_nesting(schema)
+        unsupported = has_xgrammar_unsupported_json_features(json.loads(schema))
+    except Exception as exc:
+        raise RequestRejected(param, f"vLLM refuses this schema: {exc}", "invalid_schema") from None
+    if unsupported:
+        raise RequestRejected(
+            param,
+            "the schema uses keywords vLLM's xgrammar backend does not enforce (multipleOf, uniqueItems, "
+            "contains, allOf with several branches, a pattern or format with a length bound, ...)",
+            "unsupported_schema",
+        )
+
+
+def _structured_outputs_config() -> Any:
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend=BACKEND, disable_any_whitespace=True)
+
+
 def _parallel(options: VllmOptions) -> dict[str, Any]:
     """A sharded replica: every rank runs the engine (external_launcher) in the process group the worker made;
     on CPU each rank is told that it shares no /dev/shm with the others (see vllm_cpu_worker)."""
@@ -467,13 +499,17 @@ def _request_message(request: GenerationRequest) -> dict[str, Any]:
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
         "logprobs": p.top_logprobs if (p.logprobs or p.top_logprobs) else None,
+        "json_schema": p.json_schema,
     }
 
 
 def _sampling(message: dict[str, Any]) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    structured = None
+    if message.get("json_schema") is not None:  # compiled once in `add` already: a schema xgrammar takes
+        structured = StructuredOutputsParams(json=message["json_schema"])
     return SamplingParams(
         n=1,
         max_tokens=message["max_tokens"],
@@ -486,6 +522,7 @@ def _sampling(message: dict[str, Any]) -> Any:
         logprobs=message["logprobs"],
         detokenize=False,  # RequestStream turns tokens into text and finds stop strings
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured,
     )
 
 
