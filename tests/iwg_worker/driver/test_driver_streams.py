@@ -13,7 +13,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import pytest
@@ -225,8 +225,9 @@ async def test_streamed_completions_through_the_async_client_join_to_the_plain_t
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"n": 17}, "n"),
@@ -235,8 +236,9 @@ async def test_streamed_completions_through_the_async_client_join_to_the_plain_t
         ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
     ],
     ids=[
-        "json response format",
+        "json_schema without its schema",
         "unknown role",
+        "tool_choice auto",
         "no messages",
         "top_logprobs without logprobs",
         "n=17",
@@ -473,3 +475,295 @@ async def test_100_streams_dropped_at_random_points_under_load_free_their_cache(
         assert await metric(session, url, "iwg_requests_running") == 0
         assert await metric(session, url, "iwg_requests_waiting") == 0
         assert await metric(session, url, "iwg_kv_cache_usage") == 0  # every dropped request's blocks freed
+
+
+# -- structured outputs and tool calls (issue 27) ----------------------------------------------------------
+
+
+def generated_schemas(count: int) -> list[tuple[str, dict[str, Any]]]:
+    """``count`` JSON schemas of varied shapes (objects, arrays, enums, nesting, required fields, bounded
+    numbers, patterned strings), each with a prompt asking for it; drawn from a fixed seed."""
+    rng = random.Random(27)
+    things = ["a book", "a city", "a planet", "a recipe", "a car", "a song", "a river", "a painter"]
+
+    def field_schema(depth: int) -> dict[str, Any]:
+        kind = rng.choice(
+            ["int", "number", "enum", "pattern", "bool", "array", "object" if depth < 2 else "int"]
+        )
+        if kind == "int":
+            low = rng.randint(0, 50)
+            return {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 1000)}
+        if kind == "number":
+            return {"type": "number", "minimum": -10.0, "maximum": 10.0}
+        if kind == "enum":
+            return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no", "north"], 3)}
+        if kind == "pattern":
+            return {"type": "string", "pattern": rng.choice(["^[A-Z][a-z]{2,8}$", "^[0-9]{3}-[0-9]{4}$"])}
+        if kind == "bool":
+            return {"type": "boolean"}
+        if kind == "array":
+            return {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        return obj(depth + 1, rng.randint(1, 2))
+
+    def obj(depth: int, size: int) -> dict[str, Any]:
+        names = rng.sample(["name", "id", "size", "color", "tags", "score", "code", "owner", "open"], size)
+        properties = {n: field_schema(depth) for n in names}
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": rng.sample(names, rng.randint(1, size)),
+        }
+
+    out = []
+    for i in range(count):
+        thing = things[i % len(things)]
+        schema = obj(0, rng.randint(1, 3)) if i % 4 else {"type": "array", "items": obj(1, 2), "maxItems": 2}
+        out.append((f"Describe {thing} as JSON.", schema))
+    return out
+
+
+def valid(text: str, schema: dict[str, Any]) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+async def chat_text(session: aiohttp.ClientSession, url: str, question: str, **extra: Any) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "temperature": 0, **extra}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return str((await resp.json())["choices"][0]["message"]["content"])
+
+
+async def test_32_generated_schemas_validate_constrained_and_unconstrained_neighbours_keep_their_tokens(
+    served_smollm2: Served,
+) -> None:
+    """32 schemas sent at once with response_format json_schema: every output validates (jsonschema); the same
+    prompts unconstrained mostly do not. 8 unconstrained requests batched with the 32 constrained ones answer
+    exactly what they answered alone (greedy)."""
+    url = served_smollm2.url
+    cases = generated_schemas(32)
+    fmt = [
+        {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s}}
+        for i, (_, s) in enumerate(cases)
+    ]
+    async with aiohttp.ClientSession() as session:
+        alone = await asyncio.gather(*(chat_text(session, url, q, max_tokens=64) for q, _ in cases))
+        both = await asyncio.gather(
+            *(
+                chat_text(session, url, q, max_tokens=64, response_format=f)
+                for (q, _), f in zip(cases, fmt, strict=True)
+            ),
+            *(chat_text(session, url, q, max_tokens=64) for q, _ in cases[:8]),
+        )
+    constrained, neighbours = both[:32], both[32:]
+    valid_constrained = sum(valid(t, s) for t, (_, s) in zip(constrained, cases, strict=True))
+    valid_plain = sum(valid(t, s) for t, (_, s) in zip(alone, cases, strict=True))
+    print(
+        f"{served_smollm2.engine}: valid constrained {valid_constrained}/32, unconstrained {valid_plain}/32"
+    )
+    assert valid_constrained == 32, [
+        t for t, (_, s) in zip(constrained, cases, strict=True) if not valid(t, s)
+    ]
+    assert valid_plain < 16
+    assert neighbours == alone[:8]
+
+
+def test_parse_with_a_pydantic_model_and_forced_tool_calls_through_the_official_client(
+    served_smollm2: Served,
+) -> None:
+    import jsonschema
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: Annotated[str, Field(max_length=16)]
+        country: Annotated[str, Field(max_length=16)]
+        population: Annotated[int, Field(ge=0, le=100_000_000)]
+
+    api = OpenAI(base_url=f"{served_smollm2.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": "Describe Paris."}]
+    parsed = api.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=City, max_tokens=64, temperature=0
+    )
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City), parsed.choices[0].message.content
+    # Completions take a response_format too.
+    done = api.completions.create(
+        model=MODEL,
+        prompt="A JSON object with a number a:",
+        max_tokens=16,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "a",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["a"],
+                    },
+                },
+            }
+        },
+    )
+    assert json.loads(done.choices[0].text)["a"] in range(10), done.choices[0].text
+
+    weather = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+    }
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather now", "parameters": weather},
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                    "required": ["zone"],
+                },
+            },
+        },
+    ]
+    ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {"get_weather": weather, "get_time": tools[1]["function"]["parameters"]}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        options: Any = {"tools": tools, "tool_choice": choice, "max_tokens": 48, "temperature": 0}
+        plain = api.chat.completions.create(model=MODEL, messages=ask, **options)
+        answer = plain.choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.tool_calls, answer
+        calls = answer.message.tool_calls
+        for call in calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if isinstance(choice, dict):
+            assert [c.function.name for c in calls] == ["get_weather"]
+        chunks = list(api.chat.completions.create(model=MODEL, messages=ask, stream=True, **options))
+        streamed: dict[int, dict[str, str]] = {}
+        for chunk in chunks:
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                entry = streamed.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.id or ""
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert [(e["name"], e["arguments"]) for e in streamed.values()] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
+        assert all(e["id"].startswith("call_") for e in streamed.values())
+    # The call and its result go back through the chat template: the conversation continues.
+    call = calls[0]
+    follow = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    after = api.chat.completions.create(model=MODEL, messages=follow, max_tokens=16, temperature=0)
+    assert after.choices[0].message.content
+
+
+HOSTILE_SCHEMAS: list[tuple[str, Any, str | None]] = [
+    # (what, schema, the param of a 400; None: may be served)
+    ("nested 200 deep", {"type": "object", "properties": {"a": {}}}, None),
+    ("invalid type", {"type": "bogus"}, "response_format.json_schema.schema"),
+    ("minimum not a number", {"type": "integer", "minimum": "zero"}, "response_format.json_schema.schema"),
+    ("missing $ref", {"$ref": "#/$defs/nothing"}, "response_format.json_schema.schema"),
+    (
+        "recursive $ref",
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+                    "required": ["children"],
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+        None,
+    ),
+    ("huge enum", {"enum": [f"value-{i}" for i in range(3000)]}, None),
+    (
+        "enum beyond the size bound",
+        {"enum": [f"value-number-{i}" for i in range(5000)]},
+        "response_format.json_schema.schema",
+    ),
+    (
+        "500 anyOf branches",
+        {
+            "anyOf": [
+                {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                for i in range(500)
+            ]
+        },
+        None,
+    ),
+    ("bad regex", {"type": "string", "pattern": "(unclosed"}, "response_format.json_schema.schema"),
+    ("not an object", [1, 2], "response_format.json_schema.schema"),
+]
+
+
+def _nest(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE_SCHEMAS[0] = ("nested 33 deep", _nest(33), "response_format.json_schema.schema")
+HOSTILE_SCHEMAS.append(("nested 200 deep", _nest(200), "body"))  # past the body's own bound: no field named
+
+
+async def test_hostile_schemas_are_refused_naming_the_field_or_compile_in_bounded_time_while_a_stream_flows(
+    served_smollm2: Served,
+) -> None:
+    url = served_smollm2.url
+    async with aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        flowing = asyncio.create_task(stream(session, url, "Once upon a time", 48, started, ignore_eos=True))
+
+        async def send(schema: Any) -> tuple[int, dict[str, Any], float]:
+            t0 = time.monotonic()
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Answer in JSON."}],
+                "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": schema}},
+            }
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                return resp.status, await resp.json(), time.monotonic() - t0
+
+        results = await asyncio.gather(*(send(s) for _, s, _ in HOSTILE_SCHEMAS))
+        other = await flowing
+    for (what, _, param), (status, body, seconds) in zip(HOSTILE_SCHEMAS, results, strict=True):
+        print(
+            f"{served_smollm2.engine}: {what}: {status} in {seconds:.2f} s {body.get('error', {}).get('message', '')[:80]}"
+        )
+        assert status in (200, 400), (what, status, body)
+        assert seconds < 60, (what, seconds)
+        if param == "body":
+            assert status == 400 and "nests" in body["error"]["message"], (what, body)
+        elif param is not None:
+            assert status == 400 and body["error"]["param"] == param, (what, body)
+        elif status == 400:
+            assert body["error"]["param"] == "response_format.json_schema.schema", (what, body)
+    assert other["finish"] == "length" and other["text"]

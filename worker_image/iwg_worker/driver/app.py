@@ -39,9 +39,10 @@ M = TypeVar("M", bound=BaseModel)
 G = TypeVar("G", CompletionRequest, ChatCompletionRequest)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-# The deepest request body is three levels ({"input": [[ids]]}); anything much deeper is refused before the
-# parser sees it, so no body can exhaust the parser's recursion.
-MAX_JSON_DEPTH = 32
+# Request bodies are shallow ({"input": [[ids]]}) but for JSON schemas (response_format, tools), which the
+# driver bounds at 64 levels (structured.MAX_SCHEMA_DEPTH) under at most 4 of the body's; anything deeper is
+# refused before the parser sees it, so no body can exhaust the parser's recursion.
+MAX_JSON_DEPTH = 72
 # A string literal, or an unterminated one running to the end: every match succeeds, so the scan is linear.
 _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))

@@ -27,7 +27,7 @@ import jsonschema
 from iwg_worker.driver.openai_api import ApiError, ChatCompletionRequest, NamedToolChoice, ResponseFormat
 
 MAX_SCHEMA_CHARS = 65_536
-MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a schema (vLLM refuses above 64)
+MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in a schema (vLLM's own bound)
 
 
 @dataclass(frozen=True, slots=True)
