@@ -250,6 +250,7 @@ class RealNodes:
         t0 = time.monotonic()
         for node in self.nodes:
             self._start_kubelet(node)
+            self._start_kube_proxy(node)
         core = client.CoreV1Api(self.cp.api_client())
         _wait_for(lambda: all(_node_ready(core, n.name) for n in self.nodes), timeout, "nodes Ready", self)
         self.timings["kubelets Ready"] = time.monotonic() - t0
@@ -443,6 +444,36 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                     "--v=1",
                 ],
             ),
+        )
+
+    def _start_kube_proxy(self, node: Node) -> None:
+        """kube-proxy in iptables mode, in the node's namespace (its rules are the node's). Conntrack sizes
+        are left alone: they are host-wide sysctls."""
+        config = node.workdir / "etc" / "kube-proxy.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+                    "kind": "KubeProxyConfiguration",
+                    "mode": "iptables",
+                    "clientConnection": {"kubeconfig": str(self.cp.kubeconfig)},
+                    "hostnameOverride": node.name,
+                    "clusterCIDR": str(POD_RANGE),
+                    "bindAddress": node.address,
+                    "healthzBindAddress": "127.0.0.1:10256",
+                    "metricsBindAddress": "127.0.0.1:10249",
+                    "conntrack": {
+                        "maxPerCore": 0,
+                        "min": 0,
+                        "tcpEstablishedTimeout": "0s",
+                        "tcpCloseWaitTimeout": "0s",
+                    },
+                }
+            )
+        )
+        self._spawn(
+            f"{node.name}-kube-proxy",
+            self._nsenter(node, [str(binaries.binary("kube-proxy")), f"--config={config}", "--v=1"]),
         )
 
     def stop(self) -> None:

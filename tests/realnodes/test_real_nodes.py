@@ -215,3 +215,31 @@ def test_simulated_gpus_advertised_on_a_real_node_are_scheduled_and_admitted_by_
     finally:
         for name in ("two-gpus", "three-gpus"):
             core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
+
+
+def test_a_clusterip_service_reaches_the_driver_through_kube_proxy(
+    real_cluster: RealCluster, serving: dict[str, Any]
+) -> None:
+    """From inside a worker pod (kubectl exec), the driver's ClusterIP Service answers: kube-proxy's rules on
+    the node forward the virtual IP to the driver pod."""
+    cluster, core = real_cluster, real_cluster.core
+    service = next(
+        s
+        for s in core.list_namespaced_service(cluster.namespace).items
+        if s.spec.cluster_ip not in (None, "None")
+        and s.metadata.labels.get("app.kubernetes.io/component") == "driver"
+    )
+    port = service.spec.ports[0].port
+    worker = live_ready_workers(core, cluster.namespace, GROUP)[0].metadata.name
+    script = (
+        "import urllib.request, sys; "
+        f"print(urllib.request.urlopen('http://{service.spec.cluster_ip}:{port}/v1/models', timeout=5).status)"
+    )
+    answer = eventually(
+        lambda: cluster.control_plane.kubectl(
+            "exec", "-n", cluster.namespace, worker, "--", "python", "-c", script, check=False
+        ).stdout.strip(),
+        60,
+        "the driver's ClusterIP to answer",
+    )
+    assert answer == "200"
