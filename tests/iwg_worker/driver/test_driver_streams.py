@@ -357,7 +357,7 @@ HOSTILE: list[tuple[str, Any, str | None]] = [
     ("chat", {"stream": "true"}, "stream"),
     ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ("chat", {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
-    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools[0].function"),
     ("chat", {"model": "gpt-4"}, "model"),
     ("chat", {"model": None}, "model"),
     ("completions", {"prompt": []}, "prompt"),
