@@ -138,6 +138,19 @@ def controller(kube: RecordingKube) -> Controller:
     return made
 
 
+async def reconciled_group(registered: bool = True) -> tuple[RecordingKube, Controller, GroupState]:
+    """A default group through two passes (the second a settled one); kept in the controller's groups unless
+    `registered` is False."""
+    kube = RecordingKube()
+    ctl = controller(kube)
+    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
+    if registered:
+        ctl.groups[state.key] = state
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    return kube, ctl, state
+
+
 async def test_first_pass_creates_everything_and_a_settled_group_writes_nothing() -> None:
     kube = RecordingKube()
     ctl = controller(kube)
@@ -161,12 +174,7 @@ async def test_first_pass_creates_everything_and_a_settled_group_writes_nothing(
 
 
 async def test_a_child_deleted_or_edited_by_hand_is_repaired_alone_and_the_secret_keeps_its_keys() -> None:
-    kube = RecordingKube()
-    ctl = controller(kube)
-    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
-    ctl.groups[state.key] = state
-    await ctl.reconcile(state)
-    await ctl.reconcile(state)
+    kube, ctl, state = await reconciled_group()
     secret = kube.objects.pop(("secrets", "g-curve"))
     deployment = kube.objects.pop(("deployments", "g-driver"))
     service = kube.objects[("services", "g-driver")]
@@ -203,11 +211,7 @@ async def test_a_child_deleted_or_edited_by_hand_is_repaired_alone_and_the_secre
 
 
 async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret() -> None:
-    kube = RecordingKube()
-    ctl = controller(kube)
-    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
-    await ctl.reconcile(state)
-    await ctl.reconcile(state)
+    kube, ctl, state = await reconciled_group(registered=False)
     secret = copy.deepcopy(kube.objects[("secrets", "g-curve")])
 
     changed = body(driver={"port": 9000})
@@ -224,12 +228,7 @@ async def test_spec_change_rewrites_only_changed_children_and_keeps_the_secret()
 async def test_rotate_keys_replaces_the_secret_once_per_value_and_wakes_the_group() -> None:
     """A new `rotate-keys` value (set, changed, or removed) makes new keys and rolls the pods; the same value
     again does nothing."""
-    kube = RecordingKube()
-    ctl = controller(kube)
-    state = GroupState(key=("ns", "g"), body=body(), group=group_from_body(body()))
-    ctl.groups[state.key] = state
-    await ctl.reconcile(state)
-    await ctl.reconcile(state)
+    kube, ctl, state = await reconciled_group()
 
     async def annotate(value: str | None) -> tuple[bool, bool, bool]:
         """(the loop woken, the Secret replaced, a pod deleted) for the group annotated with `value`."""
