@@ -827,6 +827,7 @@ class Controller:
         name = secret_name(group.name)
         rotation = _rotation(state.body)
         current = None if fresh else await self.kube.get(SECRETS, group.namespace, name)
+        replaced = False  # deleted here for new keys: its data is never put back
         for _ in range(2):  # a create that finds one (409) looks at it as if it had been read first
             if current is not None:
                 _check_owner(current, group, "Secret")
@@ -835,13 +836,17 @@ class Controller:
                 log.info("%s/%s: new CURVE keys (%s); the pods roll", *state.key,
                          "rotate-keys" if rotation else "one keypair for driver and workers before")  # fmt: skip
                 await self.kube.delete(SECRETS, group.namespace, name, current["metadata"].get("uid"))
+                replaced = True
             driver, worker = zmq.curve_keypair(), zmq.curve_keypair()
             manifest = builders.curve_secret(group, driver, worker, secrets.token_urlsafe(32), rotation)
-            lost = state.lost_secret
+            # A Secret deleted by someone else comes back as it was; the watch's event of this pass's own
+            # deletion (it may arrive before the create) must not put the old keys back under the new value.
+            lost = None if replaced else state.lost_secret
             if (
                 lost
                 and set(lost) >= set(manifest["data"])
                 and state.keys
+                and state.keys[0] == rotation
                 and builders.keys_digest(dict(lost)) == state.keys[1]
             ):
                 manifest["data"] = {key: lost[key] for key in manifest["data"]}

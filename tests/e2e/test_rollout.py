@@ -117,6 +117,9 @@ def test_new_images_under_load_lose_no_request(
     assert load.failures == [], (len(load.failures), load.failures[:5])
     assert proxy.refused == 0
     drained = [e.message for e in events(core, workspace, name, "DrainedReplicas")]
+    # Every Event of the group in order, for the message of a failure below.
+    found = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
+    said = [f"{e.reason}: {e.message}" for e in sorted(found, key=lambda e: e.metadata.creation_timestamp)]
     for phase in phases:
         assert phase["answered"] >= 20, phases
         # Both drivers (old and surge) read, and no batch cut by a replica going away.
@@ -124,5 +127,5 @@ def test_new_images_under_load_lose_no_request(
         # 1 replica + surge: replica 1 (the surge) existed. Both phases: replicas 0 and 1 drained on their way
         # out (the surge's, the old replica 0; then the old replicas 1 and 0), each in its own Event.
         assert phase["indices"] == {0, 1}, phase
-    assert sum("drained replicas 0 " in m for m in drained) >= 2, drained
-    assert sum("drained replicas 1 " in m for m in drained) >= 2, drained
+    assert sum("drained replicas 0 " in m for m in drained) >= 2, said
+    assert sum("drained replicas 1 " in m for m in drained) >= 2, said

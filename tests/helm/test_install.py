@@ -293,6 +293,10 @@ def _run_operator_through_a_scenario(
         control_plane.kubectl("delete", "-n", workload_ns, f"iwg/{workload.name}", "--wait=false")
         eventually(workload.gone, 60, "the group deleted")
         time.sleep(1.0)  # the operator sees the deletion before it stops
+    except AssertionError as error:
+        # A step not reached: what the operator did meanwhile is the evidence (CI keeps only this output).
+        log = operator.output()[-6000:] if operator is not None else ""
+        raise AssertionError(f"{error}\n--- the operator's log, last lines:\n{log}") from error
     finally:
         exit_code = operator.stop() if operator is not None else None
         proxy.stop()

@@ -258,6 +258,37 @@ async def test_rotate_keys_replaces_the_secret_once_per_value_and_wakes_the_grou
     assert await annotate(None) == (True, True, True)
 
 
+async def test_rotate_keys_is_not_undone_by_the_watch_event_of_its_own_deletion() -> None:
+    """The rotation deletes the immutable Secret, then creates the new one; the watch's DELETED event of that
+    deletion can arrive in between (seen in CI: the new Secret came back with the old keys, and the rotation
+    never happened). Only a Secret someone else deleted comes back with its data."""
+
+    class WatchingKube(RecordingKube):
+        async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
+            gone = self.objects.get((resource.plural, name))
+            deleted = await super().delete(resource, namespace, name, uid)
+            if gone is not None:
+                ctl.child_changed(("ns", "g"), resource.plural, gone, deleted=True)  # the watch, at once
+            return deleted
+
+    kube = WatchingKube()
+    ctl = controller(kube)
+    ctl.observe_group(body())
+    ctl.accept(body(), group_from_body(body()))
+    await settled(ctl)
+    state = ctl.groups[("ns", "g")]
+    before = kube.objects[("secrets", "g-curve")]["data"]
+    annotated = copy.deepcopy(state.body)
+    annotated["metadata"]["annotations"] = {"inference.iwg.dev/rotate-keys": "1"}
+    ctl.observe_group(annotated)
+    await ctl.reconcile(state)
+    after = kube.objects[("secrets", "g-curve")]
+    assert after["metadata"]["annotations"] == {"inference.iwg.dev/rotate-keys": "1"}
+    assert after["data"]["driver.pub"] != before["driver.pub"], "the old keys came back"
+    assert after["data"]["worker.pub"] != before["worker.pub"]
+    await ctl.close()
+
+
 async def test_invalid_spec_is_marked_once() -> None:
     kube = RecordingKube()
     ctl = controller(kube)
