@@ -127,6 +127,8 @@ class GroupState:
     # later event with the same ones is a status update (Deployments and PDBs get many) and is not compared.
     seen_in_sync: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
     hashed: tuple[builders.Group, str] | None = None  # the children hash of a group object, computed once
+    # (replica, rank) -> the incarnation of the pod last created for it (pods of a rank are numbered upwards).
+    incarnations: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -458,7 +460,7 @@ class Controller:
                 # Pods would mount keys that are not the group's, or be reachable unfenced: create none.
                 failure = str(error)
         if failure is None and not (plan.empty and gang_plan.empty):
-            if not await self._drain_leaving(state, group, plan, done):
+            if not await self._drain_leaving(state, group, plan):
                 return 0.0  # the spec changed while the driver drained: plan again with the new one
             failure = await self._apply_plan(state, group, plan, gang_plan, done)
             pods = self._observed_pods(state, desired)
@@ -644,9 +646,7 @@ class Controller:
             done.append(("CreatedPods", f"created {len(created)} pod(s) for replicas {_ranges(replicas)}"))
         return failure
 
-    async def _drain_leaving(
-        self, state: GroupState, group: builders.Group, plan: planning.PodPlan, done: list[tuple[str, str]]
-    ) -> bool:
+    async def _drain_leaving(self, state: GroupState, group: builders.Group, plan: planning.PodPlan) -> bool:
         """Before a scale-down deletes pods (whoever lowered spec.replicas, or a rollout's surge ending) and
         before a rollout replaces a serving replica, every ready driver stops sending batches to those replicas
         and finishes the ones in flight, for at most rollout.drainTimeoutSeconds. Returns False when the group's
@@ -664,8 +664,15 @@ class Controller:
             )
             seconds = time.monotonic() - started
             where = "the driver" if len(drivers) == 1 else f"{len(drivers)} drivers"
-            done.append(
-                ("DrainedReplicas", f"drained replicas {_ranges(draining)} in {where} in {seconds:.1f}s")
+            # Said at once, not with the pass's other Events after the status: a step after it that fails
+            # (a pod deletion, the status write) retries the pass, which finds these pods going and drains
+            # nothing, so the drain would never be told.
+            await self._event(
+                state,
+                "Normal",
+                "DrainedReplicas",
+                f"drained replicas {_ranges(draining)} in {where} in {seconds:.1f}s",
+                once=False,
             )
         except NoReadyDriver:
             pass  # no driver routes anything to them
@@ -726,6 +733,16 @@ class Controller:
             state.pod_groups_made[name] = deadline
         return None
 
+    def _next_incarnation(self, state: GroupState, replica: int, rank: int) -> int:
+        """A number above every earlier pod's of this rank, that this operator made or its index shows (a
+        restarted operator, or another leader, learns them from the pods): the clock in nanoseconds, unless a
+        clock set back would go below one of those."""
+        seen = [p.incarnation for p in self._pods(state.key) if (p.replica, p.rank) == (replica, rank)]
+        floor = max([state.incarnations.get((replica, rank), 0), *seen])
+        incarnation = max(time.time_ns(), floor + 1)
+        state.incarnations[(replica, rank)] = incarnation
+        return incarnation
+
     async def _create_pods(
         self,
         state: GroupState,
@@ -754,6 +771,7 @@ class Controller:
                         builders.pod_group_name(group.name, replica)
                         if gang and replica not in loose
                         else None,
+                        self._next_incarnation(state, replica, rank),
                     ),
                     avoided,
                 )

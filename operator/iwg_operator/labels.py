@@ -23,6 +23,9 @@ REVISION: Final = f"{PREFIX}/revision"
 # Annotation holding the hash of a child's desired manifest: equal hash, no write.
 SPEC_HASH: Final = f"{PREFIX}/spec-hash"
 WORLD_SIZE_ANNOTATION: Final = f"{PREFIX}/world-size"
+# Which creation of its rank a worker pod is: higher than every earlier pod of that rank (drivers refuse older
+# ones: wiring.INCARNATION).
+INCARNATION: Final = f"{PREFIX}/incarnation"
 # On a group: set or change it (any value, e.g. the time) and the operator makes new CURVE keys and a new admin
 # token and rolls every pod. On the group's Secret: the value its keys were made for.
 ROTATE_KEYS: Final = f"{PREFIX}/rotate-keys"

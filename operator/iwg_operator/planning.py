@@ -51,6 +51,7 @@ class ObservedPod:
     # Why the pod ended (Failed, Succeeded): status.reason and message, as the kubelet says.
     ended: str | None = None
     pod_group: str | None = None  # spec.schedulingGroup.podGroupName: the PodGroup it names, if any
+    incarnation: int = 0  # which creation of its rank it is (labels.INCARNATION; 0: none)
 
     @property
     def terminal(self) -> bool:
@@ -94,7 +95,15 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         failure=termination_failure(status.get("containerStatuses") or []),
         ended=_ended(status),
         pod_group=((body.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") or None,
+        incarnation=_integer((metadata.get("annotations") or {}).get(labels.INCARNATION)),
     )
+
+
+def _integer(value: Any) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except (TypeError, ValueError):
+        return 0
 
 
 def _ended(status: Mapping[str, Any]) -> str | None:

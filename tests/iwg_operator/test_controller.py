@@ -289,6 +289,32 @@ async def test_rotate_keys_is_not_undone_by_the_watch_event_of_its_own_deletion(
     await ctl.close()
 
 
+async def test_a_rank_created_again_gets_a_higher_incarnation_even_with_a_clock_set_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every pod of a rank carries an incarnation (annotation and IWG_INCARNATION) above its predecessors', the
+    ones this operator made and the ones its index shows (another leader's, whose clock ran ahead): drivers
+    refuse older incarnations, so a replacement numbered lower would never serve."""
+    kube, ctl, state = await reconciled_group()
+
+    def incarnation(name: str) -> int:
+        pod = kube.objects[("pods", name)]
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["IWG_INCARNATION"] == pod["metadata"]["annotations"]["inference.iwg.dev/incarnation"]
+        return int(env["IWG_INCARNATION"])
+
+    first = incarnation("g-r0-w0")
+    assert first > 0
+    ahead = first + 10**15  # made by a leader whose clock was 11 days ahead
+    kube.objects[("pods", "g-r0-w0")]["metadata"]["annotations"]["inference.iwg.dev/incarnation"] = str(ahead)
+    monkeypatch.setattr("iwg_operator.controller.time.time_ns", lambda: first - 10**12)  # set back
+    assert ctl._next_incarnation(state, 0, 0) == ahead + 1  # the index's pod
+    del kube.objects[("pods", "g-r0-w0")]  # force-deleted: gone from the index too
+    state.expected_present.clear()
+    await ctl.reconcile(state)
+    assert incarnation("g-r0-w0") == ahead + 2  # above the one this operator numbered last
+
+
 async def test_invalid_spec_is_marked_once() -> None:
     kube = RecordingKube()
     ctl = controller(kube)

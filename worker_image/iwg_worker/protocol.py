@@ -14,9 +14,11 @@ Message kinds and their header keys (every key required, no others allowed):
 - ``reply``: ``{kind, id, replica, rank, ok, result, error}`` worker -> driver; ``error`` is
   ``{type, message, traceback}`` or nil
 - ``hello`` / ``heartbeat``: ``{kind, group, replica, rank, world_size, pod, routing_id, capabilities}``
-  worker -> driver; a heartbeat repeats the hello so a restarted driver relearns its members
+  worker -> driver; a heartbeat repeats the hello so a restarted driver relearns its members;
+  ``capabilities.incarnation`` says which creation of its rank the pod is (the driver refuses older ones)
 - ``goodbye``: ``{kind, replica, rank, reason, last_call}`` worker -> driver; ``last_call`` is the id of the
-  last call the worker ran (it ran every earlier one it received, and will run none after)
+  last call the worker ran (it ran every earlier one it received, and will run none after); the one optional
+  key, ``incarnation``, is sent by a pod that has one (a driver ignores the goodbye of a replaced incarnation)
 - ``ping``: ``{kind, ts}`` driver -> worker heartbeat
 - ``overflow``: ``{kind, id}`` driver -> worker through the shared-memory ring (`executor.shm_ring`): call
   ``id`` was too large for the ring and comes on the socket; the worker runs it in this place
@@ -25,7 +27,7 @@ Message kinds and their header keys (every key required, no others allowed):
   error}``
   (`iwg_worker.engine.streams`)
 
-Decoding is strict: anything that is not exactly one of these shapes raises `ProtocolError`, which the
+Decoding is strict: anything that is not exactly one of these shapes (its optional keys aside) raises `ProtocolError`, which the
 receiver logs and drops before serving the next message.
 """
 
@@ -133,6 +135,7 @@ class Goodbye:
     rank: int
     reason: str
     last_call: int | None
+    incarnation: int = 0  # of the pod that left (0: none given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,11 @@ _KEYS: Final[dict[str, frozenset[str]]] = {
     "overflow": frozenset({"kind", "id"}),
     "stream": frozenset({"kind", "replica", "rank", "items"}),
 }
+
+# Keys a sender may add (added after the first release: a peer of an earlier version refuses the message, so
+# only messages whose loss is survivable get them; a goodbye's loss costs a heartbeat timeout).
+_OPTIONAL_KEYS: Final[dict[str, frozenset[str]]] = {"goodbye": frozenset({"incarnation"})}
+_NONE: Final = frozenset[str]()
 
 
 # --------------------------------------------------------------------------------------------- encoding
@@ -315,10 +323,13 @@ def encode_hello(hello: Hello) -> list[Any]:
     )
 
 
-def encode_goodbye(replica: int, rank: int, reason: str, last_call: int | None) -> list[Any]:
-    return encode(
-        {"kind": "goodbye", "replica": replica, "rank": rank, "reason": reason, "last_call": last_call}
-    )
+def encode_goodbye(
+    replica: int, rank: int, reason: str, last_call: int | None, incarnation: int = 0
+) -> list[Any]:
+    header = {"kind": "goodbye", "replica": replica, "rank": rank, "reason": reason, "last_call": last_call}
+    if incarnation:
+        header["incarnation"] = incarnation
+    return encode(header)
 
 
 def encode_ping(ts: float) -> list[Any]:
@@ -478,10 +489,12 @@ def decode(frames: list[Any]) -> Message:
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in _KEYS:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    if header.keys() != _KEYS[kind]:
+    if header.keys() != _KEYS[kind] and not (
+        _KEYS[kind] < header.keys() <= _KEYS[kind] | _OPTIONAL_KEYS.get(kind, _NONE)
+    ):
         keys = set(header)
         missing = sorted(_KEYS[kind] - keys)
-        extra = sorted(str(k) for k in keys - _KEYS[kind])
+        extra = sorted(str(k) for k in keys - _KEYS[kind] - _OPTIONAL_KEYS.get(kind, _NONE))
         raise ProtocolError(f"{kind} header: missing fields {missing}, unexpected fields {extra}")
     if decoder.used != len(decoder.frames):
         raise ProtocolError(f"{len(decoder.frames)} tensor frames sent, {decoder.used} referenced")
@@ -561,6 +574,7 @@ def _build_checked(kind: str, h: dict[str, Any]) -> Message:
             rank=_require(h, "rank", int),
             reason=_require(h, "reason", str),
             last_call=_require(h, "last_call", int, nullable=True),
+            incarnation=_require(h, "incarnation", int) if "incarnation" in h else 0,
         )
     if kind == "overflow":
         return Overflow(id=_require(h, "id", int))

@@ -87,6 +87,7 @@ class WorkerProcConfig:
     health_port: int = wiring.DEFAULT_HEALTH_PORT
     heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S
     pod_name: str = ""
+    incarnation: int = 0  # wiring.INCARNATION: which creation of this rank the pod is
     worker_cls: str = DEFAULT_WORKER_CLS
     worker_extension_cls: str | None = None
     ring_path: str = ""  # a MultiprocExecutor's ring to read calls from, with:
@@ -174,6 +175,7 @@ class WorkerProcConfig:
             health_port=integer(wiring.HEALTH_PORT, wiring.DEFAULT_HEALTH_PORT),
             heartbeat_interval_s=heartbeat,
             pod_name=env.get(wiring.POD_NAME) or f"{os.uname().nodename}-{os.getpid()}",
+            incarnation=integer(wiring.INCARNATION, 0),
             worker_cls=env.get(wiring.WORKER_CLS) or DEFAULT_WORKER_CLS,
             worker_extension_cls=env.get(wiring.WORKER_EXTENSION_CLS) or None,
             ring_path=env.get(shm_ring.ENV_PATH, ""),
@@ -425,6 +427,7 @@ class WorkerProc:
                     "cpu": health.get("cpu"),
                     "health_port": self.health.port,
                     "pid": os.getpid(),
+                    "incarnation": self.config.incarnation,
                 },
             )
         )
@@ -892,7 +895,12 @@ class WorkerProc:
         self._stopping.set()
         links = self.links
         for link in links:
-            self._emit(protocol.encode_goodbye(self.replica, self.rank, reason, link.last_call), link)
+            self._emit(
+                protocol.encode_goodbye(
+                    self.replica, self.rank, reason, link.last_call, self.config.incarnation
+                ),
+                link,
+            )
         self._output_closing = True
         self._wake.set()
         self._output_thread.join(timeout=5)

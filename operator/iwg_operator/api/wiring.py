@@ -13,6 +13,10 @@ REPLICA: Final = "IWG_REPLICA"
 RANK: Final = "IWG_RANK"
 WORLD_SIZE: Final = "IWG_WORLD_SIZE"
 POD_NAME: Final = "IWG_POD_NAME"
+# Which creation of its rank a worker pod is (the operator numbers each new pod of a rank higher than the last):
+# drivers accept hellos only from the newest incarnation of a rank they have seen, so a replaced process that
+# comes back (a partitioned node, a resumed SIGSTOP) never serves again. Absent or 0: `iwg serve`, no fencing.
+INCARNATION: Final = "IWG_INCARNATION"
 POD_IP: Final = "IWG_POD_IP"
 
 # ZMQ wiring: the driver binds both, workers connect. Values are tcp://host:port (ipc:// locally).

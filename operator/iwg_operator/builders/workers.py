@@ -133,9 +133,15 @@ def affinity(group: Group, replica: int) -> Manifest | None:
 
 
 def worker_pod(
-    group: Group, replica: int, rank: int, settings: BuildSettings, pod_group: str | None = None
+    group: Group,
+    replica: int,
+    rank: int,
+    settings: BuildSettings,
+    pod_group: str | None = None,
+    incarnation: int = 0,
 ) -> Manifest:
-    """One rank's pod; `pod_group` names the replica's PodGroup under gang placement (immutable on a pod)."""
+    """One rank's pod; `pod_group` names the replica's PodGroup under gang placement (immutable on a pod);
+    `incarnation` numbers this creation of the rank (0: none), for the drivers to fence older ones."""
     spec = group.spec
     name = pod_name(group.name, replica, rank)
     rev = revision(group, settings)
@@ -146,6 +152,10 @@ def worker_pod(
         {labels.REPLICA: str(replica), labels.RANK: str(rank), labels.REVISION: rev},
     )
     meta["annotations"] = {labels.WORLD_SIZE_ANNOTATION: str(spec.world_size), **keys_annotations(group)}
+    env = worker_env(group, replica, rank, settings)
+    if incarnation:
+        meta["annotations"][labels.INCARNATION] = str(incarnation)
+        env.append({"name": wiring.INCARNATION, "value": str(incarnation)})
     model_volumes, model_mounts = model_volume(group)
     health = spec.health
     http_get = {"port": HEALTH_PORT_NAME, "scheme": "HTTP"}
@@ -154,7 +164,7 @@ def worker_pod(
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy,
         "command": ["iwg-worker"],
-        "env": worker_env(group, replica, rank, settings),
+        "env": env,
         "ports": [
             {"name": HEALTH_PORT_NAME, "containerPort": wiring.DEFAULT_HEALTH_PORT, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": wiring.DEFAULT_MASTER_PORT, "protocol": "TCP"},

@@ -120,6 +120,10 @@ class RemoteExecutor(Executor):
         self._ids = itertools.count(time.time_ns() // 1000)
         self._pending: dict[int, PendingCall] = {}
         self._members: dict[tuple[int, int], _MemberState] = {}
+        # (replica, rank) -> the newest incarnation seen of it (wiring.INCARNATION), kept after it leaves: an
+        # older one (a replaced process that came back) is refused. `_refused` keeps the log to one line each.
+        self._incarnations: dict[tuple[int, int], int] = {}
+        self._refused: set[tuple[tuple[int, int], bytes]] = set()
         self._routes: dict[int, tuple[bytes, ...]] = {}  # serving replica -> routing ids by rank
         self._serving: frozenset[int] = frozenset()
         self._subscribers: list[MembershipCallback] = []
@@ -407,6 +411,12 @@ class RemoteExecutor(Executor):
         elif isinstance(message, protocol.Hello):
             self._on_hello(message)
         elif isinstance(message, protocol.Goodbye):
+            if message.incarnation < self._incarnations.get((message.replica, message.rank), 0):
+                log.info(
+                    "ignored the goodbye of replica %d rank %d's replaced incarnation %d: %s",
+                    message.replica, message.rank, message.incarnation, message.reason,
+                )  # fmt: skip
+                return
             self._member_left(
                 message.replica, message.rank, f"goodbye: {message.reason}", last_call=message.last_call
             )
@@ -451,6 +461,19 @@ class RemoteExecutor(Executor):
         if problem:
             log.warning("ignored %s from pod %r: %s", hello.kind, hello.pod, problem)
             return
+        incarnation = _incarnation(hello.capabilities)
+        newest = self._incarnations.get(key, 0)
+        if incarnation < newest:
+            # Fenced: the pod was replaced (a newer incarnation said hello), so this process was cut off (a
+            # partitioned node, a stopped process) and is not the rank any more; it never becomes a member.
+            if (key, hello.routing_id) not in self._refused:
+                self._refused.add((key, hello.routing_id))
+                log.warning(
+                    "refused %s from pod %r (replica %d rank %d): incarnation %d is older than %d, which replaced it",
+                    hello.kind, hello.pod, hello.replica, hello.rank, incarnation, newest,
+                )  # fmt: skip
+            return
+        self._incarnations[key] = incarnation
         now = time.monotonic()
         state = self._members.get(key)
         if state is not None and state.member.routing_id == hello.routing_id:
@@ -583,3 +606,9 @@ class RemoteExecutor(Executor):
             pending = self._pending.pop(call_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(error)
+
+
+def _incarnation(capabilities: dict[str, Any]) -> int:
+    """A hello's incarnation (0: none given, as from `iwg serve` and workers of earlier versions)."""
+    value = capabilities.get("incarnation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
