@@ -670,6 +670,39 @@ def test_parse_with_a_pydantic_model_and_forced_tool_calls_through_the_official_
             (c.function.name, c.function.arguments) for c in calls
         ]
         assert all(e["id"].startswith("call_") for e in streamed.values())
+    # n > 1: every choice is a forced call of its own (ids distinct), sampled, plain and streamed alike. One
+    # call each (parallel_tool_calls false): sampled, the model would add calls until max_tokens ("length").
+    sampled: Any = {
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    several = api.chat.completions.create(model=MODEL, messages=ask, n=2, **sampled)
+    assert [c.index for c in several.choices] == [0, 1]
+    ids = set()
+    for answer in several.choices:
+        assert answer.finish_reason == "tool_calls" and answer.message.tool_calls, answer
+        for made in answer.message.tool_calls:
+            ids.add(made.id)
+            jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    assert len(ids) == sum(len(c.message.tool_calls or []) for c in several.choices)
+    per_choice: dict[int, dict[int, str]] = {0: {}, 1: {}}
+    finished = {}
+    for chunk in api.chat.completions.create(model=MODEL, messages=ask, n=2, stream=True, **sampled):
+        for part in chunk.choices:
+            for delta in part.delta.tool_calls or []:
+                args = (delta.function.arguments or "") if delta.function else ""
+                per_choice[part.index][delta.index] = per_choice[part.index].get(delta.index, "") + args
+            if part.finish_reason:
+                finished[part.index] = part.finish_reason
+    assert finished == {0: "tool_calls", 1: "tool_calls"}
+    for index, answer in enumerate(several.choices):  # the same seed: the same calls, streamed
+        assert list(per_choice[index].values()) == [
+            c.function.arguments for c in answer.message.tool_calls or []
+        ]
     # The call and its result go back through the chat template: the conversation continues.
     call = calls[0]
     follow = [
