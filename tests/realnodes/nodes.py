@@ -76,6 +76,9 @@ def images() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+KUBE_PROXY_MIN_SYNC = "3s"  # below the driver's default lame duck (5 s), as a cluster's propagation should be
+
+
 @dataclass
 class Node:
     index: int
@@ -448,7 +451,10 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 
     def _start_kube_proxy(self, node: Node) -> None:
         """kube-proxy in iptables mode, in the node's namespace (its rules are the node's). Conntrack sizes
-        are left alone: they are host-wide sysctls."""
+        are left alone: they are host-wide sysctls. Endpoint changes are applied at most every
+        KUBE_PROXY_MIN_SYNC (the default is 1 s; large clusters raise it): on two nodes a terminating pod
+        would otherwise leave the rules within milliseconds, and the lame duck a driver needs on a real
+        cluster would go untested."""
         config = node.workdir / "etc" / "kube-proxy.yaml"
         config.write_text(
             yaml.safe_dump(
@@ -462,6 +468,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                     "bindAddress": node.address,
                     "healthzBindAddress": "127.0.0.1:10256",
                     "metricsBindAddress": "127.0.0.1:10249",
+                    "iptables": {"minSyncPeriod": KUBE_PROXY_MIN_SYNC},
                     "conntrack": {
                         "maxPerCore": 0,
                         "min": 0,

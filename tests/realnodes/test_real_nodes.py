@@ -4,9 +4,12 @@ libraries; the test environment and its Python bind-mounted read-only), see node
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import yaml
 from iwg_operator.builders.common import CURVE_MOUNT
 
 from tests.cluster.waiting import eventually
-from tests.e2e.harness import group_manifest, live_ready_workers, openai_client, pod_ready
+from tests.e2e.harness import driver_pods, group_manifest, live_ready_workers, openai_client, pod_ready
 from tests.realnodes.fixture import RealCluster, real_cluster
 from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
 
@@ -243,3 +246,98 @@ def test_a_clusterip_service_reaches_the_driver_through_kube_proxy(
         "the driver's ClusterIP to answer",
     )
     assert answer == "200"
+
+
+# Clients in a worker pod (kubectl exec), where kube-proxy's rules on its node turn the ClusterIP into a driver
+# pod's address: each sends one embedding request after another on a new connection, without retries, until
+# the stop file appears (in the pod's /tmp), then prints what it saw as one JSON line.
+ROLLOUT_CLIENTS = """
+import json, os, sys, threading, urllib.request
+url, stop, clients, model = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+body = json.dumps({"model": model, "input": "owls at night"}).encode()
+seen = {"ok": 0, "failed": []}
+lock = threading.Lock()
+def client():
+    while not os.path.exists(stop):
+        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                ok = answer.status == 200 and len(json.loads(answer.read())["data"][0]["embedding"]) == 384
+            with lock:
+                if ok:
+                    seen["ok"] += 1
+                else:
+                    seen["failed"].append(f"status {answer.status}")
+        except Exception as error:
+            with lock:
+                seen["failed"].append(f"{type(error).__name__}: {error}")
+threads = [threading.Thread(target=client) for _ in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(seen))
+"""
+
+
+def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_request(
+    real_cluster: RealCluster, serving: dict[str, Any]
+) -> None:
+    """A new driver pod template (here its CPU) rolls the driver Deployment while clients on a node send
+    requests to the ClusterIP from a worker pod without
+    retries: the surge pod is Ready before the old one stops, and the old
+    one's lame duck (spec.driver.lameDuckSeconds, default 5) outlasts the EndpointSlice update reaching the
+    node's real kube-proxy, so no connection is refused or cut."""
+    cluster, core = real_cluster, real_cluster.core
+    service = next(
+        s
+        for s in core.list_namespaced_service(cluster.namespace).items
+        if s.spec.cluster_ip not in (None, "None")
+        and s.metadata.labels.get("app.kubernetes.io/component") == "driver"
+    )
+    url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}/v1/embeddings"
+    model = serving["spec"]["model"]["servedName"]
+    before = {p.metadata.name for p in driver_pods(core, cluster.namespace, GROUP)}
+    stop = "/tmp/rollout-clients-stop"
+    worker = live_ready_workers(core, cluster.namespace, GROUP)[0].metadata.name
+    cp = cluster.control_plane
+    exec_in = ["exec", "-n", cluster.namespace, worker, "--"]
+    clients = subprocess.Popen(
+        [
+            str(cp.bin("kubectl")),
+            "--kubeconfig",
+            str(cp.kubeconfig),
+            *exec_in,
+            "python",
+            "-c",
+            ROLLOUT_CLIENTS,
+            url,
+            stop,
+            "2",
+            model,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cp.env(),
+    )
+    try:
+        time.sleep(3.0)  # load before the change
+        cluster.groups.patch(GROUP, {"driver": {"cpu": "400m"}})
+
+        def rolled() -> bool:
+            pods = driver_pods(core, cluster.namespace, GROUP)
+            return bool(pods) and all(p.metadata.name not in before and pod_ready(p) for p in pods)
+
+        try:
+            eventually(
+                rolled, READY_TIMEOUT, "the driver rolled onto a new pod, the old one gone", interval=0.5
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+        time.sleep(3.0)  # load after it
+    finally:
+        cp.kubectl(*exec_in, "touch", stop, check=False)
+        out, err = clients.communicate(timeout=60)
+    assert clients.returncode == 0, err.decode()[-2000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    print(f"driver rollout through kube-proxy: {seen['ok']} answered, {len(seen['failed'])} failed")
+    assert seen["failed"] == [], seen["failed"][:5]
+    assert seen["ok"] >= 20, seen
