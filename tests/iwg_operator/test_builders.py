@@ -378,10 +378,15 @@ def test_tmp_of_workers_and_driver_is_bounded_and_configurable() -> None:
 
 
 def test_pdb_and_config_map() -> None:
-    # Pods that must stay: (replicas - maxUnavailable) x worldSize, never a maxUnavailable (which the disruption
-    # controller would weigh against the scale subresource's replicas, not pods).
+    # Pods that must stay: all but maxUnavailable (an evicted rank takes its replica down, so maxUnavailable
+    # replicas are maxUnavailable pods), never a maxUnavailable (which the disruption controller would weigh
+    # against the scale subresource's replicas, not pods).
     pdb = builders.pod_disruption_budget(group(replicas=3, worldSize=4, rollout={"maxUnavailable": 2}))
-    assert pdb["spec"]["minAvailable"] == 4 and "maxUnavailable" not in pdb["spec"]
+    assert pdb["spec"]["minAvailable"] == 10 and "maxUnavailable" not in pdb["spec"]
+    pdb = builders.pod_disruption_budget(group(replicas=3, rollout={"maxUnavailable": 1}))
+    assert pdb["spec"]["minAvailable"] == 2  # worldSize 1: replicas - maxUnavailable, as before
+    pdb = builders.pod_disruption_budget(group(replicas=2, worldSize=3, rollout={"maxUnavailable": 2}))
+    assert pdb["spec"]["minAvailable"] == 0  # every replica may go: every pod may
     pdb = builders.pod_disruption_budget(group(replicas=1, rollout={"maxUnavailable": 1}))
     assert pdb["spec"]["minAvailable"] == 0  # one replica: its node's drain is never blocked
     config = builders.config_map(group(replicas=3), SETTINGS)

@@ -304,13 +304,19 @@ async def test_a_group_in_a_namespace_being_deleted_stops_without_retries_or_war
         core.patch_namespaced_config_map("hold", namespace, {"metadata": {"finalizers": None}})
 
 
-def test_the_workers_budget_counts_pods_and_admits_an_eviction(
+def test_the_workers_budget_lets_evictions_take_one_replica_at_a_time(
     scheduler: Any, controller_manager: Any, gpu_nodes: list[str], groups: Groups, operator: Any, k8s: Any
 ) -> None:
     """The eviction API (kubectl drain, cluster autoscalers) against the workers' PodDisruptionBudget, with the
-    real disruption controller: 2 replicas of worldSize 2, maxUnavailable 1: the budget expects 4 pods and lets
-    2 go. With maxUnavailable on the PDB (before) the controller had to resolve the group's scale subresource
-    (replicas, not pods), and on this control plane never did: expected 0, allowed 0, every eviction refused."""
+    real disruption controller: 2 replicas of worldSize 2, maxUnavailable 1. An evicted rank takes its replica
+    down, so one pod may go, not worldSize: with (replicas - maxUnavailable) x worldSize pods (before) a rank of
+    each replica was evicted, both replicas down. With maxUnavailable on the PDB (before that) the controller
+    had to resolve the group's scale subresource and on this control plane never did: every eviction refused.
+
+    Every node is cordoned while evicting, as kubectl drain cordons the node it drains: otherwise the
+    operator's replacement of an evicted pod is bound and Ready on a simulated node within a tenth of a second,
+    the disruption controller counts it healthy again, and the next eviction is admitted for that reason (what
+    made three evictions in a row pass in 4 of 9 runs before)."""
     ns = groups.namespace
     groups.create("evict", replicas=2, worldSize=2, worker={"gpus": 0}, scheduling={
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})  # fmt: skip
@@ -321,8 +327,8 @@ def test_the_workers_budget_counts_pods_and_admits_an_eviction(
         return policy.read_namespaced_pod_disruption_budget("evict-workers", ns).status
 
     eventually(
-        lambda: budget().expected_pods == 4 and budget().disruptions_allowed == 2,
-        what="the budget: 4 pods expected, 2 may go",
+        lambda: (b := budget()).expected_pods == 4 and b.current_healthy == 4 and b.disruptions_allowed == 1,
+        what="the budget: 4 pods expected, 1 may go",
     )
 
     def evict(name: str) -> int:
@@ -333,8 +339,24 @@ def test_the_workers_budget_counts_pods_and_admits_an_eviction(
         except ApiException as error:
             return int(error.status)
 
-    # The first eviction passes (before: 429, the budget never computed). What more evictions do right after
-    # is not asserted: the simulated nodes make a replacement Ready within moments, and three evictions sent one
-    # after another or at once were all admitted in 4 runs of 9 (not understood yet; issue 29, item 2).
-    assert evict("evict-r1-w1") == 201, budget()
+    def cordon(unschedulable: bool) -> None:
+        for node in gpu_nodes:
+            core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+
+    cordon(True)
+    try:
+        assert evict("evict-r1-w1") == 201, budget()
+        # Replica 1 is down; a rank of replica 0 would take it down too (before: admitted, 2 allowed).
+        assert evict("evict-r0-w0") == 429, budget()
+        pending = eventually(
+            lambda: [p for p in groups.live_pods("evict") if p.metadata.name == "evict-r1-w1"],
+            what="the evicted rank created again",
+        )
+        assert not pending[0].spec.node_name, "no node takes it while every node is cordoned"
+        assert evict("evict-r0-w0") == 429, budget()
+    finally:
+        cordon(False)
+    # Its replacement placed and Ready, the budget lets the next replica go.
+    eventually(lambda: budget().disruptions_allowed == 1, what="1 may go again")
+    assert evict("evict-r0-w0") == 201, budget()
     groups.delete("evict")

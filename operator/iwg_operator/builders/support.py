@@ -213,14 +213,20 @@ def driver_network_policy(group: Group, settings: BuildSettings) -> Manifest:
 
 
 def pod_disruption_budget(group: Group) -> Manifest:
-    """Voluntary evictions may take at most rollout.maxUnavailable replicas' worth of pods at once.
+    """Voluntary evictions may take at most rollout.maxUnavailable replicas at once.
 
     An integer minAvailable, kept in step with spec.replicas by the operator (the spec hash covers replicas):
     with maxUnavailable the disruption controller takes the expected count from the owner's scale
     subresource, which counts replicas, not pods, and must resolve the group's kind first; with an integer
-    minAvailable it counts the pods it selects and needs no owner at all."""
+    minAvailable it counts the pods it selects and needs no owner at all.
+
+    The disruption controller counts pods, and an evicted rank takes its whole replica down, so a budget of
+    maxUnavailable replicas is maxUnavailable pods: replicas x worldSize - maxUnavailable must stay. A budget
+    of maxUnavailable x worldSize pods would let a drain take one rank from each of worldSize replicas (kubectl
+    drain evicts a node's pods at once). With maxUnavailable >= replicas every pod may go."""
     spec = group.spec
-    minimum = max(0, spec.replicas - spec.rollout.max_unavailable) * spec.world_size
+    pods = spec.replicas * spec.world_size
+    minimum = 0 if spec.rollout.max_unavailable >= spec.replicas else pods - spec.rollout.max_unavailable
     manifest: Manifest = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
