@@ -83,6 +83,10 @@ MIN_BACKOFF_SECONDS = 1.0
 # Status writes refused because the group changed since it was read (409), each followed by a fresh read.
 STATUS_WRITE_ATTEMPTS = 5
 MAX_BACKOFF_SECONDS = 300.0
+# A worker pod still there this long after its deletion deadline has no kubelet acting for it (its node is off or
+# cut off): it is deleted with grace period 0, so its replacement (the same name) can be made. Fencing keeps the
+# old process, should it still run, from serving (wiring.INCARNATION).
+FORCE_DELETE_AFTER_SECONDS = 30.0
 
 
 class ReconcileRefused(Exception):
@@ -437,6 +441,7 @@ class Controller:
             max_surge=group.spec.rollout.max_surge,
         )
         gang_served = await self._gang_served() if group.spec.gang_enabled else False
+        force_recheck = await self._force_delete_overdue(state, group)
         pods = self._observed_pods(state, desired)
         pod_groups = self._observed_pod_groups(state, desired.world_size)
         replacing = planning.replacing_replicas(pod_groups) if gang_served else frozenset()
@@ -516,12 +521,42 @@ class Controller:
             await self._event(state, "Warning", "ReconcileFailed", failure)
             raise ReconcileRefused(failure)
         state.posted.pop("ReconcileFailed", None)
-        rechecks = [status.scheduling_recheck(pods, now_rfc3339(), self.scheduling_timeout)]
+        rechecks = [status.scheduling_recheck(pods, now_rfc3339(), self.scheduling_timeout), force_recheck]
         if state.expected_present or state.expected_gone:
             rechecks.append(EXPECTATION_SECONDS)
         if group.spec.gang_enabled and not gang_served:
             rechecks.append(self.gang_api_recheck)  # the API may be enabled meanwhile
         return min((r for r in rechecks if r is not None), default=None)
+
+    async def _force_delete_overdue(self, state: GroupState, group: builders.Group) -> float | None:
+        """Deletes with grace period 0 the worker pods FORCE_DELETE_AFTER_SECONDS past their deletion deadline
+        (a Warning `ForceDeletedPods` names them and their nodes); returns the seconds until the next
+        terminating pod would be overdue."""
+        overdue, recheck = planning.overdue_deletions(
+            self._pods(state.key), time.time(), FORCE_DELETE_AFTER_SECONDS
+        )
+        if not overdue:
+            return recheck
+        results = await gather_limited(
+            WRITE_CONCURRENCY,
+            *(self.kube.delete(PODS, group.namespace, p.name, p.uid, grace_seconds=0) for p in overdue),
+        )
+        deadline = time.monotonic() + EXPECTATION_SECONDS
+        for pod, result in zip(overdue, results, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            state.expected_gone[pod.uid] = deadline
+        named = ", ".join(f"{p.name} (node {p.node or 'none'})" for p in overdue)
+        await self._event(
+            state,
+            "Warning",
+            "ForceDeletedPods",
+            f"{named}: still there {FORCE_DELETE_AFTER_SECONDS:.0f}s after their deletion deadline, so no "
+            "kubelet is acting for them (a node off or cut off); deleted with grace period 0, their "
+            "replacements fenced from them by incarnation",
+            once=False,
+        )
+        return recheck
 
     async def _mark_invalid(self, state: GroupState) -> None:
         assert state.invalid is not None

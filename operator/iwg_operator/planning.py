@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from iwg_operator import labels
@@ -52,6 +53,7 @@ class ObservedPod:
     ended: str | None = None
     pod_group: str | None = None  # spec.schedulingGroup.podGroupName: the PodGroup it names, if any
     incarnation: int = 0  # which creation of its rank it is (labels.INCARNATION; 0: none)
+    deletion_deadline: str | None = None  # metadata.deletionTimestamp: its deletion's time plus grace period
 
     @property
     def terminal(self) -> bool:
@@ -96,6 +98,7 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         ended=_ended(status),
         pod_group=((body.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") or None,
         incarnation=_integer((metadata.get("annotations") or {}).get(labels.INCARNATION)),
+        deletion_deadline=metadata.get("deletionTimestamp"),
     )
 
 
@@ -411,3 +414,26 @@ def plan_gang(
         held=frozenset(going if gang else ()),
         loose=frozenset(loose),
     )
+
+
+def overdue_deletions(
+    pods: Iterable[ObservedPod], now: float, after: float
+) -> tuple[list[ObservedPod], float | None]:
+    """Pods still there `after` seconds past their deletion deadline (a kubelet kills a pod's containers at
+    that deadline and removes it at once, so none is acting for these: their node is gone), and the seconds
+    until the next terminating pod would be (None: none will)."""
+    overdue: list[ObservedPod] = []
+    waits: list[float] = []
+    for pod in pods:
+        if pod.deletion_deadline is None:
+            continue
+        try:
+            deadline = datetime.fromisoformat(pod.deletion_deadline.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        left = deadline + after - now
+        if left <= 0:
+            overdue.append(pod)
+        else:
+            waits.append(left)
+    return overdue, min(waits, default=None)

@@ -259,7 +259,9 @@ class ControlPlane:
         )
         self.startup_seconds["kube-scheduler"] = time.monotonic() - t0
 
-    def start_controller_manager(self, controllers: Sequence[str] = CONTROLLERS) -> None:
+    def start_controller_manager(
+        self, controllers: Sequence[str] = CONTROLLERS, extra_args: Sequence[str] = ()
+    ) -> None:
         if self.running("kube-controller-manager"):
             return
         if "GenericWorkload" in self.feature_gates:
@@ -277,6 +279,7 @@ class ControlPlane:
                 f"--root-ca-file={self.ca_file}",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 *self._gate_flags(),
+                *extra_args,
             ],
             health=lambda port: f"https://127.0.0.1:{port}/healthz",
         )

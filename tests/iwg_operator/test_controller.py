@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 import types
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from iwg_operator import builders
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.controller import (
     DEBOUNCE_SECONDS,
+    FORCE_DELETE_AFTER_SECONDS,
     MIN_BACKOFF_SECONDS,
     Controller,
     GroupState,
@@ -40,6 +43,7 @@ class RecordingKube:
         self.statuses: dict[str, dict[str, Any]] = {}  # group name -> status as written
         self.gang_served = gang_served  # whether discovery finds workloads and podgroups
         self.discoveries = 0
+        self.graces: dict[str, int] = {}  # name -> the grace period of its deletion, when one was given
 
     async def served(self, resource: Resource, recheck_after: float | None = None) -> bool:
         self.discoveries += 1  # the real client asks the server once and caches: not a call here
@@ -89,8 +93,17 @@ class RecordingKube:
                 merged[key] = copy.deepcopy(value)
         return {"status": copy.deepcopy(merged)}
 
-    async def delete(self, resource: Resource, namespace: str, name: str, uid: str | None = None) -> bool:
+    async def delete(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        uid: str | None = None,
+        grace_seconds: int | None = None,
+    ) -> bool:
         self.calls.append(("delete", resource.plural, name))
+        if grace_seconds is not None:
+            self.graces[name] = grace_seconds
         return self.objects.pop((resource.plural, name), None) is not None
 
     async def close(self) -> None:
@@ -313,6 +326,33 @@ async def test_a_rank_created_again_gets_a_higher_incarnation_even_with_a_clock_
     state.expected_present.clear()
     await ctl.reconcile(state)
     assert incarnation("g-r0-w0") == ahead + 2  # above the one this operator numbered last
+
+
+async def test_a_pod_past_its_deletion_deadline_is_force_deleted_and_one_within_it_is_waited_for() -> None:
+    """A worker pod whose kubelet never removes it (its node is off: its Lease and status stopped) stays
+    Terminating forever, and its replacement has its name: the operator deletes it with grace period 0 once it
+    is FORCE_DELETE_AFTER_SECONDS past its deletion deadline, and looks again when the next one will be."""
+    kube, ctl, state = await reconciled_group(registered=True)
+    first = kube.objects[("pods", "g-r0-w0")]
+    second = copy.deepcopy(first)
+    labels = {**first["metadata"]["labels"], "inference.iwg.dev/replica": "1"}
+    second["metadata"].update(name="g-r1-w0", uid="u-r1", labels=labels)
+    kube.objects[("pods", "g-r1-w0")] = second
+
+    def stamp(seconds_ago: float) -> str:
+        return datetime.fromtimestamp(time.time() - seconds_ago, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    kube.objects[("pods", "g-r0-w0")]["metadata"]["deletionTimestamp"] = stamp(FORCE_DELETE_AFTER_SECONDS + 5)
+    kube.objects[("pods", "g-r1-w0")]["metadata"]["deletionTimestamp"] = stamp(
+        FORCE_DELETE_AFTER_SECONDS - 10
+    )
+    kube.calls.clear()
+    recheck = await ctl.reconcile(state)
+    assert ("delete", "pods", "g-r0-w0") in kube.calls and kube.graces["g-r0-w0"] == 0
+    assert ("delete", "pods", "g-r1-w0") not in kube.calls, "within its deadline's margin: the kubelet's"
+    assert recheck is not None and recheck <= 10.5
+    assert any(c[1] == "events" for c in kube.calls)  # ForceDeletedPods
+    await ctl.close()
 
 
 async def test_invalid_spec_is_marked_once() -> None:

@@ -53,7 +53,12 @@ def real_cluster_running(count: int = 2) -> Iterator[RealCluster]:
     try:
         cp.start()
         cp.start_scheduler()
-        cp.start_controller_manager((*CONTROLLERS, "nodelifecycle"))
+        # The node lifecycle controller marks a node whose Lease stopped NotReady after the grace period (30 s
+        # here, 50 s by default: the kubelets renew every 10 s either way) and taints it, as on any cluster.
+        cp.start_controller_manager(
+            (*CONTROLLERS, "nodelifecycle", "taint-eviction-controller"),
+            ["--node-monitor-grace-period=30s", "--node-monitor-period=2s"],
+        )
         install_crd(cp)
         cp.kubectl("create", "namespace", NAMESPACE)
         nodes.start()

@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -482,6 +483,19 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             f"{node.name}-kube-proxy",
             self._nsenter(node, [str(binaries.binary("kube-proxy")), f"--config={config}", "--v=1"]),
         )
+
+    def power_off(self, node_name: str) -> None:
+        """The node as if its power were cut: its kubelet, kube-proxy and containerd die without a word (no
+        status, no Lease renewal, no pod deleted), so do its containers, and its link goes down, so nothing at
+        its addresses or its pods' answers (connections time out). The control plane is left to find out."""
+        node = next(n for n in self.nodes if n.name == node_name)
+        for record in self._procs:
+            if record.name.startswith(f"{node.name}-"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(record.pid, signal.SIGKILL)
+        kill_until_gone(functools.partial(_cgroup_pids, node.cgroup), pause_s=0.1)
+        _kill_in_mount_namespace(node.holder)
+        self._in(node.netns, None, "ip link set eth0 down")
 
     def stop(self) -> None:
         """Stops every process of the nodes (kubelets first, then containers, shims, containerd, the rest)

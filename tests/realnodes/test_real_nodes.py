@@ -249,28 +249,34 @@ def test_a_clusterip_service_reaches_the_driver_through_kube_proxy(
 
 
 # Clients in a worker pod (kubectl exec), where kube-proxy's rules on its node turn the ClusterIP into a driver
-# pod's address: each sends one embedding request after another on a new connection, without retries, until
-# the stop file appears (in the pod's /tmp), then prints what it saw as one JSON line.
-ROLLOUT_CLIENTS = """
+# pod's address: each sends one embedding request after another on a new connection, retrying a failed one up
+# to `retries` times (0: a client without retries), until the stop file appears (in the pod's /tmp), then
+# prints what it saw as one JSON line: requests answered, requests failed (after their retries), attempts
+# that failed.
+CLIENTS = """
 import json, os, sys, threading, urllib.request
-url, stop, clients, model = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+url, stop, clients, model, retries = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 body = json.dumps({"model": model, "input": "owls at night"}).encode()
-seen = {"ok": 0, "failed": []}
+seen = {"ok": 0, "failed": [], "attempts_failed": 0}
 lock = threading.Lock()
+def attempt():
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        if answer.status != 200 or len(json.loads(answer.read())["data"][0]["embedding"]) != 384:
+            raise RuntimeError(f"status {answer.status}")
 def client():
     while not os.path.exists(stop):
-        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                ok = answer.status == 200 and len(json.loads(answer.read())["data"][0]["embedding"]) == 384
-            with lock:
-                if ok:
+        for left in range(retries, -1, -1):
+            try:
+                attempt()
+                with lock:
                     seen["ok"] += 1
-                else:
-                    seen["failed"].append(f"status {answer.status}")
-        except Exception as error:
-            with lock:
-                seen["failed"].append(f"{type(error).__name__}: {error}")
+                break
+            except Exception as error:
+                with lock:
+                    seen["attempts_failed"] += 1
+                    if not left:
+                        seen["failed"].append(f"{type(error).__name__}: {error}")
 threads = [threading.Thread(target=client) for _ in range(clients)]
 for t in threads: t.start()
 for t in threads: t.join()
@@ -278,46 +284,54 @@ print(json.dumps(seen))
 """
 
 
+class ClusterIpClients:
+    """`CLIENTS` run in a worker pod against the group's driver Service (its ClusterIP)."""
+
+    STOP = "/tmp/clusterip-clients-stop"
+
+    def __init__(
+        self, cluster: RealCluster, model: str, pod: str, clients: int = 2, retries: int = 0
+    ) -> None:
+        core = cluster.core
+        service = next(
+            s
+            for s in core.list_namespaced_service(cluster.namespace).items
+            if s.spec.cluster_ip not in (None, "None")
+            and s.metadata.labels.get("app.kubernetes.io/component") == "driver"
+        )
+        url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}/v1/embeddings"
+        self.cp = cluster.control_plane
+        self.exec_in = ["exec", "-n", cluster.namespace, pod, "--"]
+        self.cp.kubectl(*self.exec_in, "rm", "-f", self.STOP)
+        argv = [*self.exec_in, "python", "-c", CLIENTS, url, self.STOP, str(clients), model, str(retries)]
+        self.process = subprocess.Popen(
+            [str(self.cp.bin("kubectl")), "--kubeconfig", str(self.cp.kubeconfig), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.cp.env(),
+        )
+
+    def stop(self) -> dict[str, Any]:
+        """Stops the clients; what they saw."""
+        self.cp.kubectl(*self.exec_in, "touch", self.STOP, check=False)
+        out, err = self.process.communicate(timeout=60)
+        assert self.process.returncode == 0, err.decode()[-2000:]
+        seen: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+        return seen
+
+
 def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_request(
     real_cluster: RealCluster, serving: dict[str, Any]
 ) -> None:
-    """A new driver pod template (here its CPU) rolls the driver Deployment while clients on a node send
-    requests to the ClusterIP from a worker pod without
-    retries: the surge pod is Ready before the old one stops, and the old
-    one's lame duck (spec.driver.lameDuckSeconds, default 5) outlasts the EndpointSlice update reaching the
-    node's real kube-proxy, so no connection is refused or cut."""
+    """A new driver pod template (here its CPU) rolls the driver Deployment while clients in a worker pod
+    send requests to the ClusterIP without retries: the surge pod is Ready before the old one stops, and the
+    old one's lame duck (spec.driver.lameDuckSeconds, default 5) outlasts the EndpointSlice update reaching
+    the node's real kube-proxy (which applies changes at most every 3 s here), so no connection is refused or
+    cut."""
     cluster, core = real_cluster, real_cluster.core
-    service = next(
-        s
-        for s in core.list_namespaced_service(cluster.namespace).items
-        if s.spec.cluster_ip not in (None, "None")
-        and s.metadata.labels.get("app.kubernetes.io/component") == "driver"
-    )
-    url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}/v1/embeddings"
-    model = serving["spec"]["model"]["servedName"]
     before = {p.metadata.name for p in driver_pods(core, cluster.namespace, GROUP)}
-    stop = "/tmp/rollout-clients-stop"
     worker = live_ready_workers(core, cluster.namespace, GROUP)[0].metadata.name
-    cp = cluster.control_plane
-    exec_in = ["exec", "-n", cluster.namespace, worker, "--"]
-    clients = subprocess.Popen(
-        [
-            str(cp.bin("kubectl")),
-            "--kubeconfig",
-            str(cp.kubeconfig),
-            *exec_in,
-            "python",
-            "-c",
-            ROLLOUT_CLIENTS,
-            url,
-            stop,
-            "2",
-            model,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cp.env(),
-    )
+    clients = ClusterIpClients(cluster, serving["spec"]["model"]["servedName"], worker)
     try:
         time.sleep(3.0)  # load before the change
         cluster.groups.patch(GROUP, {"driver": {"cpu": "400m"}})
@@ -334,10 +348,100 @@ def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_reque
             raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
         time.sleep(3.0)  # load after it
     finally:
-        cp.kubectl(*exec_in, "touch", stop, check=False)
-        out, err = clients.communicate(timeout=60)
-    assert clients.returncode == 0, err.decode()[-2000:]
-    seen = json.loads(out.decode().strip().splitlines()[-1])
+        seen = clients.stop()
     print(f"driver rollout through kube-proxy: {seen['ok']} answered, {len(seen['failed'])} failed")
+    assert seen["failed"] == [], seen["failed"][:5]
+    assert seen["ok"] >= 20, seen
+
+
+# Node loss is the module's last test: the node it powers off stays off.
+NODE_LOSS_TOLERATION_S = 5
+NODE_LOSS_TIMEOUT = 300
+
+
+def test_a_powered_off_node_loses_its_replica_which_serves_again_on_the_other_node(
+    real_cluster: RealCluster, serving: dict[str, Any]
+) -> None:
+    """The node of one replica (not the driver's) loses power: its kubelet, containerd and containers die,
+    its link goes down. Clients with 2 retries (the openai client's default) through the ClusterIP lose no
+    request; the replica serves again on the other node. The path, as on any cluster: the operator's prober
+    replaces the silent worker; the replacement may land on the dead node (still Ready for the node
+    controller's grace period) and stays Pending there; the node goes NotReady and is tainted; the pods there
+    are evicted after their toleration (spec.scheduling.tolerations: 5 s here, Kubernetes' default is 300 s),
+    stay Terminating (no kubelet) and are force-deleted by the operator 30 s past their deletion deadline;
+    the next replacement goes to the live node."""
+    cluster, core = real_cluster, real_cluster.core
+    tolerations = [
+        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_TOLERATION_S}
+        for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+    ]
+    spread = {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {
+                            "matchLabels": {
+                                "inference.iwg.dev/group": GROUP,
+                                "app.kubernetes.io/component": "worker",
+                            }
+                        },
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
+    # Two workers and the driver fit on one node (2 CPUs) once one node is gone.
+    cluster.groups.patch(
+        GROUP, {"worker": {"cpu": "600m"}, "scheduling": {"tolerations": tolerations, "affinity": spread}}
+    )
+
+    def placed() -> dict[str, str] | None:
+        workers = live_ready_workers(core, cluster.namespace, GROUP)
+        if len(workers) != 2 or any(
+            p.spec.containers[0].resources.requests["cpu"] != "600m" for p in workers
+        ):
+            return None
+        return {p.metadata.name: p.spec.node_name for p in workers}
+
+    try:
+        nodes_of = eventually(placed, READY_TIMEOUT, "both replicas rolled onto the new spec", interval=1.0)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+    driver_node = next(p.spec.node_name for p in driver_pods(core, cluster.namespace, GROUP) if pod_ready(p))
+    lost = [node for node in set(nodes_of.values()) if node != driver_node]
+    assert lost, f"both workers on the driver's node {driver_node}: {nodes_of}"
+    survivor = next(name for name, node in nodes_of.items() if node == driver_node)
+    clients = ClusterIpClients(cluster, serving["spec"]["model"]["servedName"], survivor, retries=2)
+    try:
+        time.sleep(3.0)
+        started = time.monotonic()
+        cluster.nodes.power_off(lost[0])
+
+        def serving_again() -> bool:
+            workers = live_ready_workers(core, cluster.namespace, GROUP)
+            return len(workers) == 2 and all(p.spec.node_name == driver_node for p in workers)
+
+        try:
+            eventually(
+                serving_again, NODE_LOSS_TIMEOUT, "two replicas serving on the live node", interval=1.0
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+        took = time.monotonic() - started
+        time.sleep(3.0)
+    finally:
+        seen = clients.stop()
+    events = core.list_namespaced_event(
+        cluster.namespace, field_selector=f"involvedObject.name={GROUP}"
+    ).items
+    said = [f"{e.reason}: {e.message}" for e in events if e.reason in ("WorkerUnhealthy", "ForceDeletedPods")]
+    print(
+        f"node {lost[0]} powered off: two replicas serving again on {driver_node} after {took:.0f} s; "
+        f"{seen['ok']} requests answered, {len(seen['failed'])} failed with 2 retries, "
+        f"{seen['attempts_failed']} attempts failed; {said}"
+    )
     assert seen["failed"] == [], seen["failed"][:5]
     assert seen["ok"] >= 20, seen
