@@ -103,16 +103,11 @@ def test_the_driver_learns_the_vocabulary_from_the_model_path_it_can_see(minilm_
     assert driver_config_from_env(base).vocab_size is None
 
 
-def test_the_drivers_routing_comes_from_the_group_and_a_bad_policy_names_the_variable() -> None:
+def group_driver_env(spec: dict[str, object]) -> dict[str, str]:
+    """The driver's environment (the values the operator writes) for a generate group with `spec` added."""
     from iwg_operator.api.v1alpha1 import InferenceWorkerGroup
     from iwg_operator.builders.driver import driver_env
-    from iwg_worker.driver.main import ConfigError, driver_config_from_env
 
-    base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
-    assert (driver_config_from_env(base).routing_policy, driver_config_from_env(base).load_bound) == (
-        "cacheAware",
-        0.25,
-    )
     manifest = {
         "apiVersion": "inference.iwg.dev/v1alpha1",
         "kind": "InferenceWorkerGroup",
@@ -120,20 +115,44 @@ def test_the_drivers_routing_comes_from_the_group_and_a_bad_policy_names_the_var
         "spec": {
             "model": {"task": "generate", "path": "/models/m"},
             "worker": {"image": "example.com/w:1"},
-            "driver": {"routing": {"policy": "leastLoaded", "loadBound": 0.5}},
+            **spec,
         },
     }
-    env = {
-        e["name"]: e["value"]
-        for e in driver_env(InferenceWorkerGroup.model_validate(manifest))
-        if "value" in e
-    }
+    group = InferenceWorkerGroup.model_validate(manifest)
+    return {e["name"]: e["value"] for e in driver_env(group) if "value" in e}
+
+
+def test_the_drivers_routing_comes_from_the_group_and_a_bad_policy_names_the_variable() -> None:
+    from iwg_worker.driver.main import ConfigError, driver_config_from_env
+
+    base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
+    assert (driver_config_from_env(base).routing_policy, driver_config_from_env(base).load_bound) == (
+        "cacheAware",
+        0.25,
+    )
+    env = group_driver_env({"driver": {"routing": {"policy": "leastLoaded", "loadBound": 0.5}}})
     config = driver_config_from_env({**base, **env})
     assert (config.routing_policy, config.load_bound) == ("leastLoaded", 0.5)
     with pytest.raises(ConfigError, match=wiring.ROUTING_POLICY):
         driver_config_from_env({**base, wiring.ROUTING_POLICY: "random"})
     with pytest.raises(ConfigError, match=wiring.ROUTING_LOAD_BOUND):
         driver_config_from_env({**base, wiring.ROUTING_LOAD_BOUND: "-1"})
+
+
+def test_the_driver_holds_requests_at_zero_only_for_a_group_whose_min_replicas_is_zero() -> None:
+    from iwg_worker.driver.main import ConfigError, driver_config_from_env
+
+    def timeout(autoscaling: dict[str, object]) -> float:
+        env = group_driver_env({"autoscaling": autoscaling})
+        return driver_config_from_env({**base, **env}).activation_timeout_s
+
+    base = {wiring.MODEL_TASK: "generate", wiring.SERVED_NAME: "m"}
+    assert driver_config_from_env(base).activation_timeout_s == 0.0  # off unless asked
+    assert timeout({}) == 0.0  # minReplicas 1 by default: never at zero
+    assert timeout({"minReplicas": 0}) == 300.0  # the documented default
+    assert timeout({"minReplicas": 0, "activationTimeoutSeconds": 45}) == 45.0
+    with pytest.raises(ConfigError, match=wiring.ACTIVATION_TIMEOUT):
+        driver_config_from_env({**base, wiring.ACTIVATION_TIMEOUT: "soon"})
 
 
 def test_a_bad_lame_duck_time_names_its_variable_before_the_driver_binds_anything() -> None:

@@ -916,6 +916,18 @@ class AutoscalingSpec(ApiModel):
     scale_down_stabilization_seconds: int = Field(
         default=300, ge=0, le=3600, description="Window whose highest recommendation a scale-down uses."
     )
+    activation_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description=(
+            "With minReplicas 0: how long the driver holds a request while no replica serves (at most "
+            "spec.driver.batching.maxQueue requests, beyond them 429) before answering 503; held requests are "
+            "served in arrival order once a replica serves. The default is far above the example groups' "
+            "cold start measured here (docs/operations.md). With minReplicas above 0 nothing is held: a request "
+            "with no serving replica gets 503."
+        ),
+    )
 
     cross_field_rules = (
         CrossFieldRule(

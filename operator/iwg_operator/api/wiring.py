@@ -89,6 +89,8 @@ MAX_QUEUE: Final = "IWG_MAX_QUEUE"
 ADMIN_TOKEN_FILE: Final = "IWG_ADMIN_TOKEN_FILE"
 ROUTING_POLICY: Final = "IWG_ROUTING_POLICY"  # generate: cacheAware | leastLoaded
 ROUTING_LOAD_BOUND: Final = "IWG_ROUTING_LOAD_BOUND"  # cacheAware: epsilon of the load bound
+# > 0: hold requests this many seconds while no replica serves (scale from zero); 0 or unset: answer 503
+ACTIVATION_TIMEOUT: Final = "IWG_ACTIVATION_TIMEOUT_S"
 
 # Ports the operator opens on pods and Services.
 DEFAULT_RPC_PORT: Final = 5555

@@ -68,6 +68,14 @@ def driver_env(group: Group) -> list[Manifest]:
         {"name": wiring.ROUTING_POLICY, "value": spec.driver.routing.policy},
         {"name": wiring.ROUTING_LOAD_BOUND, "value": str(spec.driver.routing.load_bound)},
         {"name": wiring.DRIVER_LAME_DUCK, "value": str(spec.driver.lame_duck_seconds)},
+        # A group that may be at zero replicas: the driver holds requests until one serves (scale from zero).
+        # Set from minReplicas, not replicas, so that scaling never changes the driver's pod template.
+        {
+            "name": wiring.ACTIVATION_TIMEOUT,
+            "value": str(
+                spec.autoscaling.activation_timeout_seconds if spec.autoscaling.min_replicas == 0 else 0
+            ),
+        },
         *model_env(group),
         {"name": "HOME", "value": "/tmp"},
     ]

@@ -26,7 +26,8 @@ TOKEN = "s3cret-admin-token"
 async def serve(pool: FakePool, **overrides: Any) -> AsyncIterator[tuple[TestClient[Any, Any], Driver]]:
     driver = Driver(replace(BASE, **overrides), pool)
     driver.start()
-    client = TestClient(TestServer(build_app(driver, admin_token=TOKEN)))
+    # As the driver's own server (server.py): a client that goes away cancels its handler.
+    client = TestClient(TestServer(build_app(driver, admin_token=TOKEN), handler_cancellation=True))
     await client.start_server()
     try:
         yield client, driver

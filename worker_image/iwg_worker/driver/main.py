@@ -7,6 +7,7 @@
 - HTTP: IWG_HTTP_PORT (8000), IWG_HTTP_HOST (all interfaces)
 - batching: IWG_MAX_BATCH_SIZE (32), IWG_MAX_WAIT_MS (5), IWG_MAX_QUEUE (1024)
 - routing of generation requests: IWG_ROUTING_POLICY (cacheAware | leastLoaded), IWG_ROUTING_LOAD_BOUND (0.25)
+- scale from zero: IWG_ACTIVATION_TIMEOUT_S (0: off; else requests wait that long for a replica, activation.py)
 - admin: IWG_ADMIN_TOKEN_FILE (a file holding the bearer token; the admin API is off without it)
 """
 
@@ -79,6 +80,7 @@ def driver_config_from_env(env: Mapping[str, str]) -> DriverConfig:
         max_queue=_int(env, wiring.MAX_QUEUE, 1024, minimum=1),
         routing_policy=policy,  # type: ignore[arg-type]  # checked above
         load_bound=_float(env, wiring.ROUTING_LOAD_BOUND, 0.25),
+        activation_timeout_s=_float(env, wiring.ACTIVATION_TIMEOUT, 0.0),
     )
 
 

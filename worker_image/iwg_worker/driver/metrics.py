@@ -86,6 +86,17 @@ class DriverMetrics:
         )
         self.max_wait_seconds = Gauge("iwg_max_wait_seconds", "Current dynamic-batching max wait", registry=r)
 
+        self.activation_waiting = Gauge(
+            "iwg_activation_waiting",
+            "Requests held while no replica serves, waiting for one to start (activation)",
+            registry=r,
+        )
+        self.activation_seconds = Histogram(
+            "iwg_activation_seconds",
+            "Time from a request's arrival with no replica serving to its first answer (first token if streamed)",
+            buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0),
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "iwg_time_to_first_token_seconds",
             "Time from admitting a generation request to its first output",

@@ -355,3 +355,14 @@ def no_replica_error(retry_after_s: float) -> ApiError:
         code="no_replica",
         headers={"Retry-After": str(max(1, int(retry_after_s)))},
     )
+
+
+def queue_full_error(why: str, retry_after_s: int = 1) -> ApiError:
+    """429 with ``Retry-After``: the server is at capacity (`why` says which limit)."""
+    return ApiError(
+        429,
+        f"The server is at capacity ({why}); retry after {retry_after_s} s.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )

@@ -76,6 +76,7 @@ class Router:
         self._elsewhere: dict[int, int] = {}  # requests of other drivers on each replica, as last reported
         self._draining: set[int] = set()
         self._changed = asyncio.Event()
+        self._listeners: list[Callable[[], None]] = []
         self._batch_seconds = 0.05  # running estimate, for Retry-After
         self.policy: RoutingPolicy = policy
         self.load_bound = load_bound
@@ -133,9 +134,15 @@ class Router:
         self._metrics.inflight_batches.labels(replica=str(replica)).set(self._inflight.get(replica, 0))
         self._metrics.serving_replicas.set(len(self.serving()))
 
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of the replicas' states, drains and in-flight counts."""
+        self._listeners.append(listener)
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for listener in self._listeners:
+            listener()
 
     # -- choosing ----------------------------------------------------------------------------------------------
 

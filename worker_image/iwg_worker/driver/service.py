@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from iwg_worker.driver.activation import Activation
 from iwg_worker.driver.batcher import Batcher, BatchKey, BatchParams, QueuedItem, QueueFull
 from iwg_worker.driver.logprobs import add_completion_logprobs, chat_logprobs
 from iwg_worker.driver.metrics import DriverMetrics
@@ -43,6 +44,7 @@ from iwg_worker.driver.openai_api import (
     Usage,
     _GenerationRequest,
     no_replica_error,
+    queue_full_error,
 )
 from iwg_worker.driver.pool import (
     BatchFailure,
@@ -82,6 +84,8 @@ class DriverConfig:
     request_timeout_s: float = 60.0
     batch_timeout_s: float = 30.0
     no_replica_grace_s: float = 5.0
+    # > 0: requests arriving while no replica serves are held this long for one to start (activation.py)
+    activation_timeout_s: float = 0.0
     max_inflight_per_replica: int = 2
     generation_timeout_s: float = 600.0  # a generation request's deadline (it is cancelled on the worker)
     max_streams: int = 1024  # generation requests admitted at once before 429
@@ -109,6 +113,7 @@ class Driver:
             policy=config.routing_policy,
             load_bound=config.load_bound,
         )
+        self.activation = Activation(self.router, self.metrics, config.activation_timeout_s, config.max_queue)
         self.generations = GenerationService(pool, self.router, self.metrics, config.generation_timeout_s)
         self.created = int(time.time())
         self._stats_poller: asyncio.Task[None] | None = None
@@ -130,7 +135,8 @@ class Driver:
 
     @property
     def ready(self) -> bool:
-        return self.alive and bool(self.router.serving())
+        """Serving through a replica, or (with activation) able to hold requests until one serves."""
+        return self.alive and (bool(self.router.serving()) or self.activation.enabled)
 
     async def stop(self) -> None:
         if self._stats_poller is not None:
@@ -146,14 +152,12 @@ class Driver:
     async def _dispatch(self) -> None:
         while True:
             await self.batcher.wait_nonempty()
-            if not await self.router.wait_for_slot(self.router.no_replica_grace_s):
+            # Inputs queued when the last replica left wait as long as a request arriving now would.
+            patience = max(self.router.no_replica_grace_s, self.activation.timeout_s)
+            if not await self.router.wait_for_slot(patience):
                 if not self.router.serving():
                     failed = self.batcher.fail_all(NoReplica("no serving replica came back in time"))
-                    log.warning(
-                        "no serving replica for %.1f s: failed %d queued inputs",
-                        self.router.no_replica_grace_s,
-                        failed,
-                    )
+                    log.warning("no serving replica for %.1f s: failed %d queued inputs", patience, failed)
                 continue
             batch, items = await self.batcher.next_batch()
             task = asyncio.create_task(self.router.run(batch, items))
@@ -175,7 +179,9 @@ class Driver:
         ):
             raise self._dimensions_error(req.dimensions, self._embedding_dim)
         names = ["input"] if isinstance(req.input, str) else None
+        arrived = await self.activation.hold()
         results = await self._run(inputs, BatchKey("embed"), names)
+        self.activation.answered(arrived)
         data: list[EmbeddingData] = []
         tokens = 0
         for index, result in enumerate(results):
@@ -197,7 +203,9 @@ class Driver:
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
         """A completion: every choice (``n`` per prompt) streamed from an engine, collected into one response."""
         choices = self._completion_choices(req)
+        arrived = await self.activation.hold()
         results = await self._collect(choices)
+        self.activation.answered(arrived)
         out: list[CompletionChoice] = []
         for choice, items in zip(choices, results, strict=True):
             prefix = choice.prefix()
@@ -223,7 +231,9 @@ class Driver:
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         """A chat completion: the messages rendered with the model's chat template by the worker."""
         choices = self._chat_choices(req)
+        arrived = await self.activation.hold()
         results = await self._collect(choices)
+        self.activation.answered(arrived)
         out = []
         for choice, items in zip(choices, results, strict=True):
             text = "".join(item["text"] for item in items)
@@ -314,6 +324,7 @@ class Driver:
         render: Callable[[_Choice, dict[str, Any]], dict[str, Any]],
     ) -> AsyncGenerator[dict[str, Any]]:
         """Every choice's chunks as they come; a last one with ``usage`` when ``stream_options.include_usage``."""
+        arrived = await self.activation.hold()  # before the first chunk: a refusal is a plain error response
         created = int(time.time())
         queue: asyncio.Queue[tuple[_Choice, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
@@ -330,6 +341,7 @@ class Driver:
         head = {"id": chunk_id, "object": kind, "created": created, "model": req.model}
         try:
             remaining = len(tasks)
+            first = True
             while remaining:
                 choice, item = await queue.get()
                 if item is None:
@@ -337,6 +349,9 @@ class Driver:
                     continue
                 if isinstance(item, BaseException):
                     raise item
+                if first:
+                    self.activation.answered(arrived)
+                    first = False
                 yield {**head, "choices": [render(choice, item)]}
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield {**head, "choices": [], "usage": _usage(choices).model_dump()}
@@ -460,14 +475,7 @@ class Driver:
             )
         if self.generations.active + count > self.config.max_streams:
             self.metrics.rejected.labels(reason="queue_full").inc()
-            raise ApiError(
-                429,
-                f"The server is at capacity ({self.config.max_streams} generation requests running); retry "
-                "after 1 s.",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
+            raise queue_full_error(f"{self.config.max_streams} generation requests running")
         return {
             "max_tokens": max_tokens,
             "temperature": req.temperature,
@@ -513,13 +521,7 @@ class Driver:
         except QueueFull as exc:
             self.metrics.rejected.labels(reason="queue_full").inc()
             retry_after = self.router.retry_after_s(self.batcher.depth, self.batcher.params.max_batch_size)
-            raise ApiError(
-                429,
-                f"The server is at capacity ({exc}); retry after {retry_after} s.",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(retry_after)},
-            ) from None
+            raise queue_full_error(str(exc), retry_after) from None
         self.metrics.inflight_requests.inc()
         field = "input" if key.task == "embed" else "prompt"
         try:

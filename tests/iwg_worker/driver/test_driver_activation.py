@@ -1,0 +1,138 @@
+"""Scale from zero at the driver (activation.py): requests held while no replica serves, released in arrival
+order once one does; bounded (429), timed (503 naming the timeout), and freed when their client leaves. In
+process against the fake replica pool (unit tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from iwg_worker.driver.pool import ReplicaState
+from iwg_worker.driver.service import Driver
+
+from tests.iwg_worker.driver.fakes import FakePool
+from tests.iwg_worker.driver.test_driver_routing import embed, metric, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def at_zero() -> FakePool:
+    """One replica that has not started serving yet: the group is at zero."""
+    pool = FakePool(replicas=1, delay_s=0.05)
+    pool.replicas[0].state = ReplicaState.JOINING
+    return pool
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def waiting(driver: Driver) -> float:
+    return metric(driver, "iwg_activation_waiting")
+
+
+async def complete(client: TestClient[Any, Any], prompt: str, stream: bool) -> tuple[int, str]:
+    body = {"model": "minilm", "prompt": prompt, "max_tokens": 8, "stream": stream}
+    resp = await client.post("/v1/completions", json=body)
+    if not stream or resp.status != 200:
+        data = await resp.json()
+        return resp.status, data["choices"][0]["text"] if resp.status == 200 else json.dumps(data)
+    text = ""
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            text += json.loads(line[6:])["choices"][0]["text"]
+    return resp.status, text
+
+
+async def test_requests_at_zero_wait_and_are_served_in_arrival_order_once_a_replica_serves() -> None:
+    pool = at_zero()
+    async with serve(pool, task="generate", activation_timeout_s=30.0) as (client, driver):
+        ready = await client.get("/readyz")
+        assert ready.status == 200  # it holds requests: the Service may send it clients at zero
+        prompts = [f"prompt-{i}" for i in range(6)]
+        tasks = []
+        for i, prompt in enumerate(prompts):  # one after another, so that their arrival order is known
+            tasks.append(asyncio.create_task(complete(client, prompt, stream=i % 2 == 0)))
+            await until(lambda: waiting(driver) == len(tasks))
+        await asyncio.sleep(0.3)
+        # Held, not failed; a streamed request has no answer at all yet (not even its headers).
+        assert not any(t.done() for t in tasks) and pool.replicas[0].requests == []
+        pool.set_state(0, ReplicaState.SERVING)
+        results = await asyncio.gather(*tasks)
+        assert waiting(driver) == 0
+    assert results == [(200, p[::-1][:8]) for p in prompts]
+    assert [r["prompt"] for r in pool.replicas[0].requests] == prompts  # arrival order
+    histogram = "iwg_activation_seconds_count"
+    assert metric(driver, histogram) == 6 and metric(driver, "iwg_activation_seconds_sum") >= 6 * 0.3
+
+
+async def test_embeddings_at_zero_wait_and_a_request_that_needs_no_wait_is_not_counted() -> None:
+    pool = at_zero()
+    async with serve(pool, activation_timeout_s=30.0) as (client, driver):
+        held = [asyncio.create_task(embed(client, f"text {i}")) for i in range(3)]
+        await until(lambda: waiting(driver) == 3)
+        pool.set_state(0, ReplicaState.SERVING)
+        results = await asyncio.gather(*held)
+        status, _, _ = await embed(client, "served at once")
+    assert [s for s, _, _ in results] == [200, 200, 200] and status == 200
+    assert metric(driver, "iwg_activation_seconds_count") == 3
+
+
+async def test_beyond_max_queue_waiting_requests_get_429_with_retry_after() -> None:
+    pool = at_zero()
+    async with serve(pool, task="generate", activation_timeout_s=30.0, max_queue=2) as (client, driver):
+        held = [asyncio.create_task(complete(client, f"p{i}", stream=False)) for i in range(2)]
+        await until(lambda: waiting(driver) == 2)
+        resp = await client.post(
+            "/v1/completions", json={"model": "minilm", "prompt": "more", "stream": True}
+        )
+        body = await resp.json()
+        assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "queue_full"
+        pool.set_state(0, ReplicaState.SERVING)
+        assert [s for s, _ in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_a_request_waiting_longer_than_the_activation_timeout_gets_503_naming_it() -> None:
+    pool = at_zero()
+    async with serve(pool, task="generate", activation_timeout_s=0.5) as (client, driver):
+        plain, streamed = await asyncio.gather(
+            complete(client, "late", stream=False), complete(client, "late too", stream=True)
+        )
+        assert waiting(driver) == 0
+    for status, text in (plain, streamed):
+        error = json.loads(text)["error"]
+        assert status == 503 and error["code"] == "activation_timeout", error
+        assert "0.5 s" in error["message"] and "activationTimeoutSeconds" in error["message"]
+    assert metric(driver, "iwg_rejected_requests_total", {"reason": "activation_timeout"}) == 2
+
+
+async def test_a_client_that_leaves_while_waiting_frees_its_place() -> None:
+    pool = at_zero()
+    async with serve(pool, task="generate", activation_timeout_s=30.0, max_queue=2) as (client, driver):
+        leaving = asyncio.create_task(complete(client, "gone", stream=True))
+        await until(lambda: waiting(driver) == 1)
+        staying = asyncio.create_task(complete(client, "stays", stream=False))
+        await until(lambda: waiting(driver) == 2)
+        leaving.cancel()  # the client closes its connection
+        await until(lambda: waiting(driver) == 1)
+        # Its place is free: another request is held, not refused.
+        another = asyncio.create_task(complete(client, "another", stream=False))
+        await until(lambda: waiting(driver) == 2)
+        pool.set_state(0, ReplicaState.SERVING)
+        assert await asyncio.gather(staying, another) == [(200, "syats"), (200, "rehtona")]
+    assert [r["prompt"] for r in pool.replicas[0].requests] == ["stays", "another"]
+
+
+async def test_without_an_activation_timeout_the_driver_is_not_ready_and_answers_503_at_zero() -> None:
+    pool = at_zero()
+    async with serve(pool, no_replica_grace_s=0.2) as (client, driver):
+        assert (await client.get("/readyz")).status == 503
+        status, body, _ = await embed(client, "x")
+    assert status == 503 and body["error"]["code"] == "no_replica"
+    assert waiting(driver) == 0

@@ -1,0 +1,95 @@
+"""Requests held while no replica serves (a group scaled to zero, or starting): the driver's activator.
+
+With an activation timeout (``DriverConfig.activation_timeout_s`` > 0, ``IWG_ACTIVATION_TIMEOUT_S``), a
+request that arrives while no replica serves waits here instead of failing: at most ``max_waiting`` of them
+(beyond that, 429 with ``Retry-After``), each for at most the timeout (then 503 naming it). Once a replica
+serves, the waiting requests are released in arrival order (each then takes its usual path: the batcher for
+embeddings, a replica's engine for generation). A request whose client leaves while waiting (its handler is
+cancelled) leaves the queue at once. Without a timeout (0) nothing is held: an embedding request is answered
+503 ``no_replica`` at once, a generation request after the router's short grace.
+
+``iwg_activation_waiting`` counts the requests waiting here (the autoscaler's signal to scale from zero);
+``iwg_activation_seconds`` observes, for each request that waited, the time from its arrival to its first
+answer (its first token when streamed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from iwg_worker.driver.metrics import DriverMetrics
+from iwg_worker.driver.openai_api import ApiError, queue_full_error
+from iwg_worker.driver.router import Router
+
+
+class Activation:
+    def __init__(self, router: Router, metrics: DriverMetrics, timeout_s: float, max_waiting: int) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.max_waiting = max_waiting
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        router.add_listener(self._release)
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def hold(self) -> float | None:
+        """Return once a replica serves: None at once when one serves now, else the monotonic time this request
+        arrived (it waited). 429 when ``max_waiting`` requests wait already, 503 when the timeout passes.
+        With activation off, None at once."""
+        if self.router.serving():
+            return None
+        if not self.enabled:
+            return None  # the request's own path answers 503 no_replica (after the router's grace)
+        if len(self._waiters) >= self.max_waiting:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise queue_full_error(f"{len(self._waiters)} requests held while a replica starts")
+        arrived = time.monotonic()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._publish()
+        try:
+            await asyncio.wait_for(waiter, self.timeout_s)
+        except TimeoutError:
+            self.metrics.rejected.labels(reason="activation_timeout").inc()
+            raise ApiError(
+                503,
+                f"No replica of this model started serving within the activation timeout of "
+                f"{self.timeout_s:g} s (spec.autoscaling.activationTimeoutSeconds); retry later.",
+                type="service_unavailable",
+                code="activation_timeout",
+                headers={"Retry-After": "1"},
+            ) from None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            self._publish()
+        return arrived
+
+    def answered(self, arrived: float | None) -> None:
+        """A request that waited (`hold` returned `arrived`) got its first answer."""
+        if arrived is not None:
+            self.metrics.activation_seconds.observe(time.monotonic() - arrived)
+
+    def _release(self) -> None:
+        """Every waiting request, oldest first, once a replica serves (their tasks resume in this order)."""
+        if not self.router.serving():
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.activation_waiting.set(len(self._waiters))
