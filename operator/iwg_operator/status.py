@@ -172,6 +172,8 @@ def group_status(
         phase = "Failed" if ready == 0 else "Degraded"
     elif unschedulable or ignored or failed_pods or worker_failures:
         phase = "Pending" if ready == 0 else "Degraded"
+    elif desired.replicas == 0 and settled and not existing:
+        phase = "Idle"  # scaled to zero (by the autoscaler or kubectl scale): nothing is wrong
     elif ready == desired.replicas and settled:
         phase = "Running"
     elif ready == 0 and desired.replicas > 0 and not any(p.ready for p in pods):

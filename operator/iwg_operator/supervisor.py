@@ -219,7 +219,11 @@ class Supervisor:
         }
         await self._write(state, counters)
         await self.controller.post_event(
-            state, "Normal", "Autoscaled", f"replicas {current} -> {desired}: {decision.message}", once=False
+            state,
+            "Normal",
+            decision.event,
+            f"replicas {current} -> {desired}: {decision.message}",
+            once=False,
         )
         return decision
 

@@ -916,6 +916,17 @@ class AutoscalingSpec(ApiModel):
     scale_down_stabilization_seconds: int = Field(
         default=300, ge=0, le=3600, description="Window whose highest recommendation a scale-down uses."
     )
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=86400,
+        description=(
+            "With minReplicas 0: after this long with no request (none answered, in flight, queued or held by any "
+            "driver), the autoscaler drains the replicas and sets replicas to 0 (Event ScaledToZero, phase "
+            "Idle); the first request held by a driver brings one back (Event ScaledFromZero), with no "
+            "stabilization window."
+        ),
+    )
     activation_timeout_seconds: int = Field(
         default=300,
         ge=1,
@@ -1103,8 +1114,9 @@ class InferenceWorkerGroupStatus(ApiModel):
 
     model_config = ConfigDict(extra="allow")
 
-    phase: Literal["Pending", "Progressing", "Running", "Degraded", "Failed"] | None = Field(
-        default=None, description="Pending, Progressing, Running, Degraded or Failed."
+    phase: Literal["Pending", "Progressing", "Running", "Idle", "Degraded", "Failed"] | None = Field(
+        default=None,
+        description="Pending, Progressing, Running, Idle (scaled to zero replicas, none left), Degraded or Failed.",
     )
     replicas: int | None = Field(default=None, ge=0, description="Replicas that have at least one pod.")
     ready_replicas: int | None = Field(default=None, ge=0, description="Replicas whose ranks are all ready.")

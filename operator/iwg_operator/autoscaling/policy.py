@@ -17,6 +17,10 @@ LATENCY_BUCKET = "iwg_request_latency_seconds_bucket"
 # KV cache blocks in use averaged over the serving replicas (the name vLLM and the gateways' endpoint picker use).
 REQUESTS_WAITING = "iwg_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+# Scale to zero: requests a driver holds while no replica serves, and every request it has answered (any sign of
+# use resets the idle clock).
+ACTIVATION_WAITING = "iwg_activation_waiting"
+REQUESTS_TOTAL = "iwg_requests_total"
 
 
 class MetricsError(ValueError):
@@ -36,6 +40,10 @@ class DriverSample:
     requests_waiting: float | None = None
     kv_cache_usage: float | None = None
     drivers: tuple[str, ...] = ()
+    activation_waiting: float = (
+        0.0  # requests held for a replica to start (summed: each driver holds its own)
+    )
+    requests_total: float = 0.0  # requests answered since each driver started (summed)
 
 
 def parse_driver_metrics(text: str, at: float) -> DriverSample:
@@ -43,6 +51,7 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
     inflight: float | None = None
     buckets: dict[float, float] = {}
     gauges: dict[str, float] = {}
+    answered = 0.0
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -56,8 +65,10 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
             queue = value
         elif name == INFLIGHT:
             inflight = value
-        elif name in (REQUESTS_WAITING, KV_CACHE_USAGE):
+        elif name in (REQUESTS_WAITING, KV_CACHE_USAGE, ACTIVATION_WAITING):
             gauges[name] = value
+        elif name == REQUESTS_TOTAL:
+            answered += value
         elif name == LATENCY_BUCKET and 'le="' in name_and_labels:
             bound_text = name_and_labels.split('le="', 1)[1].split('"', 1)[0]
             bound = math.inf if bound_text == "+Inf" else float(bound_text)
@@ -72,6 +83,8 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
         tuple(sorted(buckets.items())),
         gauges.get(REQUESTS_WAITING),
         gauges.get(KV_CACHE_USAGE),
+        activation_waiting=gauges.get(ACTIVATION_WAITING, 0.0),
+        requests_total=answered,
     )
 
 
@@ -102,6 +115,8 @@ def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
         requests_waiting=_highest(p.requests_waiting for p in parts),
         kv_cache_usage=_highest(p.kv_cache_usage for p in parts),
         drivers=tuple(sorted(samples)),
+        activation_waiting=sum(p.activation_waiting for p in parts),
+        requests_total=sum(p.requests_total for p in parts),
     )
 
 
@@ -153,11 +168,12 @@ def _exported(value: float | None, name: str) -> float:
 
 
 def recommend(current_replicas: int, value: float, spec: AutoscalingSpec) -> int:
-    """desired = ceil(replicas x value / target), unchanged within the tolerance, within [min, max]."""
+    """desired = ceil(replicas x value / target), unchanged within the tolerance, within [min, max]; never
+    below 1: only idleness takes a group to zero (`GroupScaler.decide`), not a low metric."""
     ratio = value / spec.target
     replicas = max(current_replicas, 1)
     desired = current_replicas if abs(ratio - 1.0) <= spec.tolerance else math.ceil(replicas * ratio)
-    return max(spec.min_replicas, min(spec.max_replicas, desired))
+    return max(spec.min_replicas, 1, min(spec.max_replicas, desired))
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,15 @@ class ScaleDecision:
     reason: str
     message: str
     value: float | None = None
+    event: str = "Autoscaled"  # the reason of the Event a change of replicas posts
 
 
 @dataclass
 class GroupScaler:
     history: list[Recommendation] = field(default_factory=list)
     previous: DriverSample | None = None
+    last_used: float | None = None  # when a sample last showed a request (scale to zero's idle clock)
+    answered: float | None = None  # the drivers' requests_total at the last sample
 
     async def scrape(
         self, http: aiohttp.ClientSession, drivers: Sequence[DriverPod], port: int
@@ -87,12 +90,19 @@ class GroupScaler:
         if sample is None:
             self.previous = None
             return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {error}")
+        if current == 0 or spec.min_replicas == 0:
+            self._watch_use(sample)
+        if current == 0:  # no metric of replicas to read: only held requests matter
+            return self._from_zero(sample, spec)
         try:
             value = metric_value(spec, current, sample, self.previous)
         except MetricsError as missing:
             self.previous = None
             return ScaleDecision(None, "MetricsUnavailable", f"holding at {current} replicas: {missing}")
         self.previous = sample
+        zero = self._zero(sample, current, spec)
+        if zero is not None:
+            return zero
         if value is None:
             return ScaleDecision(
                 None, "MetricsUnavailable", f"holding at {current}: first sample of {spec.metric}"
@@ -103,6 +113,45 @@ class GroupScaler:
         desired = stabilize(current, self.history, now, spec)
         message = f"{spec.metric} {value:.2f} per replica (target {spec.target:g}) -> {desired} replicas"
         return ScaleDecision(desired, "ScalingActive", message, value)
+
+    def _watch_use(self, sample: DriverSample) -> None:
+        """Restart the idle clock when the sample shows a request: one answered since the last sample (the
+        drivers' request counters moved), in flight, queued, or held for activation."""
+        busy = sample.inflight > 0 or sample.queue_depth > 0 or sample.activation_waiting > 0
+        if busy or self.last_used is None or sample.requests_total != self.answered:
+            self.last_used = sample.at
+        self.answered = sample.requests_total
+
+    def _from_zero(self, sample: DriverSample, spec: AutoscalingSpec) -> ScaleDecision:
+        """At zero replicas: one replica as soon as any driver holds a request (no window: a client waits)."""
+        self.history = []
+        self.previous = None
+        if sample.activation_waiting > 0:
+            waiting = int(sample.activation_waiting)
+            return ScaleDecision(
+                1,
+                "ScaledFromZero",
+                f"{waiting} request(s) held by the drivers with no replica -> 1 replica",
+                sample.activation_waiting,
+                event="ScaledFromZero",
+            )
+        return ScaleDecision(0, "Idle", "no request held: 0 replicas")
+
+    def _zero(self, sample: DriverSample, current: int, spec: AutoscalingSpec) -> ScaleDecision | None:
+        """With minReplicas 0: to zero once no request was seen for scaleToZeroAfterSeconds."""
+        if spec.min_replicas != 0 or self.last_used is None:
+            return None
+        idle = sample.at - self.last_used
+        if idle < spec.scale_to_zero_after_seconds:
+            return None
+        self.history = []
+        return ScaleDecision(
+            0,
+            "Idle",
+            f"no request for {idle:.0f} s (scaleToZeroAfterSeconds {spec.scale_to_zero_after_seconds}) "
+            f"-> 0 replicas",
+            event="ScaledToZero",
+        )
 
 
 async def _scrape_one(http: aiohttp.ClientSession, url: str) -> DriverSample:
