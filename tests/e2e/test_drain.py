@@ -1,0 +1,117 @@
+"""`kubectl drain` of each node in turn under steady embedding load (issue 29, item 2), on the real control plane
+(its disruption controller computes the workers' PodDisruptionBudget) with the node agent's two nodes, seen as a
+client in the cluster sees it: through the group's Service (a ServiceProxy that does not retry a refused
+connect, as kube-proxy does not), by clients without retries. Each drain must finish within kubectl's timeout
+(before the integer minAvailable it never did: the budget allowed nothing), the group's pods end on the other
+node, no request fails, and at no moment during a drain are both worker replicas without a Ready pod.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from tests.e2e.harness import Load, driver_pods, group_manifest, pod_ready, wait_serving, worker_pods
+from tests.e2e.service_proxy import ServiceProxy
+from tests.e2e.test_selfheal import MODEL, create
+from tests.iwg_operator.conftest import Groups
+from tests.nodeagent.fixture import NodeAgentProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+DRAIN_TIMEOUT_S = 150
+SETTLE_S = 2.0  # load kept on the group before each drain and after the group serves again
+
+
+class ReadySampler:
+    """Counts, every 0.2 s until stopped, the worker pods that are Ready and not terminating: the fewest seen."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, name: str) -> None:
+        self.core, self.namespace, self.name = core, namespace, name
+        self.fewest: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            pods = worker_pods(self.core, self.namespace, self.name)
+            ready = sum(1 for p in pods if p.metadata.deletion_timestamp is None and pod_ready(p))
+            self.fewest = ready if self.fewest is None else min(self.fewest, ready)
+
+    def __enter__(self) -> ReadySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def test_draining_each_node_in_turn_under_load_loses_no_request(
+    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+) -> None:
+    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    name = "drain"
+    create(control_plane, workspace, group_manifest(name, replicas=2, driver={"replicas": 2}))
+    wait_serving(groups, core, node_agent, name, replicas=2)
+    proxy = ServiceProxy(
+        node_agent.gateway, f"{name}-driver.{workspace}.svc.cluster.local", 8000, retry_refused=False
+    ).start()
+    load = Load("127.0.0.1", MODEL, clients=2, inputs=4, port=proxy.listen_port).start()  # no retries
+    drains: list[dict[str, Any]] = []
+    try:
+        for node, other in zip(node_agent.nodes, reversed(node_agent.nodes), strict=True):
+            time.sleep(SETTLE_S)
+            drain: dict[str, Any] = {"node": node, "failed": len(load.failures), "answered": load.ok}
+            started = time.monotonic()
+            with ReadySampler(core, workspace, name) as sampler:
+                try:
+                    done = control_plane.kubectl(
+                        "drain", node, "--ignore-daemonsets", "--delete-emptydir-data",
+                        f"--timeout={DRAIN_TIMEOUT_S}s", check=False, timeout=DRAIN_TIMEOUT_S + 30,
+                    )  # fmt: skip
+                    drain["rc"], drain["output"] = done.returncode, (done.stdout + done.stderr)[-2000:]
+                except subprocess.TimeoutExpired as error:  # kubectl did not keep its own --timeout
+                    drain["rc"], drain["output"] = None, str(error.stderr or "")[-2000:]
+                drain["took"] = time.monotonic() - started
+                drain["evicted"] = drain["output"].count(" evicted")
+                assert drain["rc"] == 0, drain
+                wait_serving(groups, core, node_agent, name, replicas=2)
+            drain["fewest_ready"] = sampler.fewest
+            pods = [*worker_pods(core, workspace, name), *driver_pods(core, workspace, name)]
+            drain["nodes"] = sorted({p.spec.node_name for p in pods if p.metadata.deletion_timestamp is None})
+            drain["serving_after"] = time.monotonic() - started
+            time.sleep(SETTLE_S)
+            control_plane.kubectl("uncordon", node)
+            drain["failed"] = len(load.failures) - drain["failed"]
+            drain["answered"] = load.ok - drain["answered"]
+            drains.append(drain)
+            assert drain["nodes"] == [other], drain
+    finally:
+        load.stop()
+        proxy.stop()
+        for node in node_agent.nodes:
+            control_plane.kubectl("uncordon", node, check=False)
+
+    for drain in drains:
+        print(
+            f"drain of {drain['node']}: {drain['evicted']} pods evicted, kubectl done in {drain['took']:.1f} s, serving on {drain['nodes']} after "
+            f"{drain['serving_after']:.1f} s; {drain['answered']} answered, {drain['failed']} failed; "
+            f"fewest Ready workers {drain['fewest_ready']}",
+            file=sys.__stderr__,  # the operator's KopfRunner holds sys.stdout and sys.stderr while it runs
+        )
+    print(f"{proxy.connections} connections, {proxy.refused} refused", file=sys.__stderr__)
+    assert load.failures == [], (len(load.failures), load.failures[:5])
+    assert proxy.refused == 0
+    # The second drain moved every pod: 2 workers and 2 drivers.
+    assert drains[-1]["evicted"] == 4, drains
+    for drain in drains:
+        assert drain["answered"] >= 20, drains
+        assert drain["fewest_ready"] is not None and drain["fewest_ready"] >= 1, drains
