@@ -439,6 +439,7 @@ class Controller:
             revision=builders.revision(group, self.settings),
             max_unavailable=group.spec.rollout.max_unavailable,
             max_surge=group.spec.rollout.max_surge,
+            whole_replicas=group.spec.health.restart_policy == "Replica",
         )
         gang_served = await self._gang_served() if group.spec.gang_enabled else False
         force_recheck = await self._force_delete_overdue(state, group)
@@ -660,9 +661,14 @@ class Controller:
             state.expected_gone[pod.uid] = deadline
         if plan.scale_down:
             done.append(("ScaledDown", f"removing replicas {_ranges(plan.scale_down)}"))
-        if plan.replace:
-            metrics.pod_replaced("rollout", sum(1 for p in plan.delete if p.replica in plan.replace))
-            done.append(("ReplacingReplicas", f"replacing replicas {_ranges(plan.replace)}"))
+        if plan.torn_down:
+            metrics.pod_replaced("rank_lost", sum(1 for p in plan.delete if p.replica in plan.torn_down))
+            done.append(
+                ("TearingDownReplicas", f"replicas {_ranges(plan.torn_down)} lost a rank: the rest go too")
+            )
+        if rolled := [r for r in plan.replace if r not in plan.torn_down]:
+            metrics.pod_replaced("rollout", sum(1 for p in plan.delete if p.replica in rolled))
+            done.append(("ReplacingReplicas", f"replacing replicas {_ranges(rolled)}"))
 
         failure = await self._create_pod_groups(state, group, gang.create)
         todo = [(replica, rank) for replica, rank in plan.create if replica not in gang.held]

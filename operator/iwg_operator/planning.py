@@ -2,7 +2,9 @@
 
 Rules: replicas at or above `replicas` go, highest first; a replica whose pods run another revision (image,
 env, world size, ...) is replaced as a whole, at most `maxUnavailable` available replicas at a time (an
-outdated replica that is not serving anyway is replaced at once); missing ranks of a current replica are created;
+outdated replica that is not serving anyway is replaced at once); with `whole_replicas` (health.restartPolicy
+Replica) a current replica of several ranks that lost one (gone or terminating) is torn down and created again
+as a whole; otherwise missing ranks of a current replica are created;
 a name still held by a terminating pod is not reused until that pod is gone. A pod that ended (Failed,
 Succeeded) keeps its name here: the health prober replaces it within spec.health's restart budget and backoff
 (deleting it here would recreate a pod the kubelet keeps rejecting at once, in a loop).
@@ -214,6 +216,8 @@ class Desired:
     revision: str
     max_unavailable: int
     max_surge: int = 0
+    # health.restartPolicy Replica: a replica of several ranks that lost one (evicted, deleted) loses the rest too
+    whole_replicas: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ class PodPlan:
     replace: tuple[int, ...]  # replicas replaced because they run another revision
     waiting_for_termination: bool
     rolled: tuple[int, ...] = ()  # of `replace`: serving replicas a rollout replaces (drained before they go)
+    torn_down: tuple[int, ...] = ()  # of `replace`: replicas that lost a rank, their other ranks deleted
     extent: int = 0  # replica indices kept: replicas, and the surge replicas while a rollout runs
 
     @property
@@ -290,6 +295,7 @@ def plan_pods(
     scale_down: list[int] = []
     replace: list[int] = []
     rolled: list[int] = []
+    torn_down: list[int] = []
     create: list[tuple[int, int]] = []
 
     below = [views[i] for i in range(desired.replicas)]
@@ -318,6 +324,10 @@ def plan_pods(
                 delete.extend(sorted(view.live, key=lambda p: -p.rank))
             continue
         if not view.outdated:
+            if desired.whole_replicas and broken(view):
+                torn_down.append(view.index)
+                replace.append(view.index)
+                delete.extend(sorted(view.live, key=lambda p: -p.rank))
             continue
         if view.serving:
             if budget <= 0:
@@ -328,7 +338,7 @@ def plan_pods(
         delete.extend(sorted(view.live, key=lambda p: -p.rank))
 
     for view in kept:
-        if view.outdated or view.index in replacing:
+        if view.outdated or view.index in replacing or view.index in torn_down:
             continue
         create.extend((view.index, rank) for rank in view.missing_ranks)
 
@@ -341,7 +351,18 @@ def plan_pods(
         waiting_for_termination=waiting,
         rolled=tuple(sorted(rolled, reverse=True)),
         extent=extent,
+        torn_down=tuple(sorted(torn_down, reverse=True)),
     )
+
+
+def broken(view: ReplicaView) -> bool:
+    """A replica of several ranks with some still running and one going, or gone while the others are Ready
+    (an eviction, a deletion by hand): its running ranks cannot serve without it (they share communicators),
+    yet they would stay Ready and count as available to a PodDisruptionBudget. A rank missing beside ranks not
+    Ready yet is one still to be created (its creation failed), not a loss."""
+    if view.world_size == 1 or not view.live:
+        return False
+    return bool(view.terminating) or bool(view.missing_ranks and any(p.ready for p in view.live))
 
 
 @dataclass(frozen=True)

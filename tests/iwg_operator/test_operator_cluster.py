@@ -316,7 +316,8 @@ def test_the_workers_budget_lets_evictions_take_one_replica_at_a_time(
     Every node is cordoned while evicting, as kubectl drain cordons the node it drains: otherwise the
     operator's replacement of an evicted pod is bound and Ready on a simulated node within a tenth of a second,
     the disruption controller counts it healthy again, and the next eviction is admitted for that reason (what
-    made three evictions in a row pass in 4 of 9 runs before)."""
+    made three evictions in a row pass in 4 of 9 runs before). The rank of replica 1 left running is torn down
+    with it (health.restartPolicy Replica) rather than kept Ready beside a lone new rank."""
     ns = groups.namespace
     groups.create("evict", replicas=2, worldSize=2, worker={"gpus": 0}, scheduling={
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})  # fmt: skip
@@ -343,17 +344,29 @@ def test_the_workers_budget_lets_evictions_take_one_replica_at_a_time(
         for node in gpu_nodes:
             core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
 
+    uids = {p.metadata.name: p.metadata.uid for p in groups.live_pods("evict")}
+    rank_lost = metrics.PODS_REPLACED.labels("rank_lost")._value.get()
     cordon(True)
     try:
         assert evict("evict-r1-w1") == 201, budget()
         # Replica 1 is down; a rank of replica 0 would take it down too (before: admitted, 2 allowed).
         assert evict("evict-r0-w0") == 429, budget()
-        pending = eventually(
-            lambda: [p for p in groups.live_pods("evict") if p.metadata.name == "evict-r1-w1"],
-            what="the evicted rank created again",
-        )
-        assert not pending[0].spec.node_name, "no node takes it while every node is cordoned"
+
+        def recreated() -> list[Any] | None:
+            pods = {p.metadata.name: p for p in groups.live_pods("evict")}
+            again = [pods.get(f"evict-r1-w{rank}") for rank in (0, 1)]
+            # health.restartPolicy Replica (the default): the rank left running is torn down too, and the
+            # replica created again as a whole (before: rank 0 kept running, Ready, counted as healthy).
+            if all(p is not None and p.metadata.uid != uids[p.metadata.name] for p in again):
+                return again
+            return None
+
+        again = eventually(recreated, what="replica 1 torn down and created again as a whole")
+        assert not any(p.spec.node_name for p in again), "no node takes them while every node is cordoned"
+        assert any(e.reason == "TearingDownReplicas" for e in groups.events("evict"))
+        assert metrics.PODS_REPLACED.labels("rank_lost")._value.get() - rank_lost == 1  # rank 0 of replica 1
         assert evict("evict-r0-w0") == 429, budget()
+        assert budget().current_healthy == 2, budget()  # replica 0's two ranks, no rank of replica 1
     finally:
         cordon(False)
     # Its replacement placed and Ready, the budget lets the next replica go.

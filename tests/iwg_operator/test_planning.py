@@ -142,6 +142,24 @@ def test_missing_rank_is_recreated_and_a_failed_pod_is_left_to_the_restart_budge
     assert plan_pods(Desired(1, 1, REV, 1), [outdated]).delete == (outdated,)
 
 
+def test_a_replica_that_lost_a_rank_is_torn_down_with_restart_policy_replica() -> None:
+    whole = Desired(2, 2, REV, 1, whole_replicas=True)
+    # Rank 1 of replica 1 evicted (terminating) or already gone beside a Ready rank 0: rank 0 goes too, and
+    # nothing is created for the replica until every rank of it is gone; replica 0 is left alone.
+    for lost in ([pod(1, 1, terminating=True)], []):
+        plan = plan_pods(whole, [*full(1, 2), pod(1, 0), *lost])
+        assert plan.torn_down == (1,) and plan.replace == (1,), plan
+        assert [p.name for p in plan.delete] == ["g-r1-w0"] and plan.create == (), plan
+    gone = [*full(1, 2), pod(1, 0, terminating=True), pod(1, 1, terminating=True)]
+    assert plan_pods(whole, gone).create == () and plan_pods(whole, full(1, 2)).create == ((1, 0), (1, 1))
+    # A rank missing beside ranks not Ready yet is still to be created; restartPolicy Pod and worldSize 1 keep
+    # the running ranks; nothing is torn down in a whole group.
+    assert plan_pods(whole, [*full(1, 2), pod(1, 0, ready=False)]).create == ((1, 1),)
+    assert plan_pods(Desired(2, 2, REV, 1), [*full(1, 2), pod(1, 0)]).create == ((1, 1),)
+    assert plan_pods(Desired(2, 1, REV, 1, whole_replicas=True), full(1, 1)).create == ((1, 0),)
+    assert plan_pods(whole, full(2, 2)).empty
+
+
 def test_observe_pod_says_why_a_pod_ended() -> None:
     body = {
         "metadata": {
