@@ -87,6 +87,8 @@ MAX_BACKOFF_SECONDS = 300.0
 # cut off): it is deleted with grace period 0, so its replacement (the same name) can be made. Fencing keeps the
 # old process, should it still run, from serving (wiring.INCARNATION).
 FORCE_DELETE_AFTER_SECONDS = 30.0
+# How long a pass that finds the group's Secret gone waits for the watch to deliver its data (to put it back).
+SECRET_EVENT_WAIT_SECONDS = 5.0
 
 
 class ReconcileRefused(Exception):
@@ -886,6 +888,14 @@ class Controller:
         name = secret_name(group.name)
         rotation = _rotation(state.body)
         current = None if fresh else await self.kube.get(SECRETS, group.namespace, name)
+        if current is None and not fresh and state.keys is not None:
+            # Gone, but this operator knew its keys: deleted by hand, and the watch's event (the data to put
+            # back) may not have come yet (this pass may have been woken by another child's deletion). Waiting
+            # a little for it keeps the keys, instead of new ones that would roll every pod.
+            for _ in range(int(SECRET_EVENT_WAIT_SECONDS / 0.1)):
+                if state.lost_secret is not None:
+                    break
+                await asyncio.sleep(0.1)
         replaced = False  # deleted here for new keys: its data is never put back
         for _ in range(2):  # a create that finds one (409) looks at it as if it had been read first
             if current is not None:

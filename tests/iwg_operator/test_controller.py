@@ -355,6 +355,25 @@ async def test_a_pod_past_its_deletion_deadline_is_force_deleted_and_one_within_
     await ctl.close()
 
 
+async def test_a_secret_deleted_by_hand_comes_back_with_its_keys_when_its_watch_event_comes_late() -> None:
+    """A pass woken by another child's deletion can find the Secret gone before the watch has delivered its
+    DELETED event (the data to put back). It waits for it instead of making new keys, which would roll every
+    pod (seen in CI on a loaded machine: "the Secret came back with other keys")."""
+    kube, ctl, state = await reconciled_group()
+    gone = kube.objects.pop(("secrets", "g-curve"))  # deleted by hand; its event is still on its way
+
+    async def watch_later() -> None:
+        await asyncio.sleep(0.5)
+        ctl.child_changed(("ns", "g"), "secrets", gone, deleted=True)
+
+    late = asyncio.create_task(watch_later())
+    state.repairs_due += 1  # as a deleted child's event marks it
+    await ctl.reconcile(state)
+    await late
+    assert kube.objects[("secrets", "g-curve")]["data"] == gone["data"], "new keys instead of the old ones"
+    await ctl.close()
+
+
 async def test_invalid_spec_is_marked_once() -> None:
     kube = RecordingKube()
     ctl = controller(kube)

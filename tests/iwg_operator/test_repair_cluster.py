@@ -187,6 +187,13 @@ def test_children_deleted_or_edited_by_hand_come_back_and_nothing_else_is_rewrit
     for key in recreated - {("deployments", f"{name}-driver")}:
         assert pod.metadata.creation_timestamp >= after[key].metadata.creation_timestamp, key
 
+    def whole_again() -> bool:
+        # The status the repairs end in: the new worker pod ready (on a loaded machine kwok marks it Ready
+        # later than 2 s after, and that status write is not a loop).
+        status = groups.get(name).get("status") or {}
+        return status.get("readyReplicas") == 1 and status.get("phase") == "Running"
+
+    eventually(whole_again, what="the group's status whole again")
     time.sleep(2)
     written = api_writes() - writes_before
     children_written = {
