@@ -103,6 +103,7 @@ class GroupState:
     children_hash: str | None = None
     expected_present: dict[str, float] = field(default_factory=dict)  # pod name -> deadline
     expected_gone: dict[str, float] = field(default_factory=dict)  # pod uid -> deadline
+    force_deleted: dict[str, float] = field(default_factory=dict)  # pod uid -> deadline (the index may lag)
     # PodGroups this operator created / deleted that the index may not show yet
     pod_groups_made: dict[str, float] = field(default_factory=dict)  # name -> deadline
     pod_groups_gone: dict[str, float] = field(default_factory=dict)  # uid -> deadline
@@ -535,9 +536,14 @@ class Controller:
         """Deletes with grace period 0 the worker pods FORCE_DELETE_AFTER_SECONDS past their deletion deadline
         (a Warning `ForceDeletedPods` names them and their nodes); returns the seconds until the next
         terminating pod would be overdue."""
-        overdue, recheck = planning.overdue_deletions(
-            self._pods(state.key), time.time(), FORCE_DELETE_AFTER_SECONDS
-        )
+        pods = list(self._pods(state.key))
+        clock = time.monotonic()
+        indexed = {p.uid for p in pods}
+        for uid, until in list(state.force_deleted.items()):
+            if uid not in indexed or until < clock:
+                del state.force_deleted[uid]
+        overdue, recheck = planning.overdue_deletions(pods, time.time(), FORCE_DELETE_AFTER_SECONDS)
+        overdue = [p for p in overdue if p.uid not in state.force_deleted]  # deleted: the watch lags
         if not overdue:
             return recheck
         results = await gather_limited(
@@ -548,7 +554,7 @@ class Controller:
         for pod, result in zip(overdue, results, strict=True):
             if isinstance(result, BaseException):
                 raise result
-            state.expected_gone[pod.uid] = deadline
+            state.force_deleted[pod.uid] = deadline
         named = ", ".join(f"{p.name} (node {p.node or 'none'})" for p in overdue)
         await self._event(
             state,
@@ -776,12 +782,22 @@ class Controller:
             state.pod_groups_made[name] = deadline
         return None
 
-    def _next_incarnation(self, state: GroupState, replica: int, rank: int) -> int:
+    def _highest_incarnations(self, state: GroupState) -> dict[tuple[int, int], int]:
+        """The highest incarnation the index shows for each rank (replica, rank)."""
+        highest: dict[tuple[int, int], int] = {}
+        for p in self._pods(state.key):
+            highest[(p.replica, p.rank)] = max(highest.get((p.replica, p.rank), 0), p.incarnation)
+        return highest
+
+    def _next_incarnation(
+        self, state: GroupState, replica: int, rank: int, indexed: dict[tuple[int, int], int] | None = None
+    ) -> int:
         """A number above every earlier pod's of this rank, that this operator made or its index shows (a
-        restarted operator, or another leader, learns them from the pods): the clock in nanoseconds, unless a
-        clock set back would go below one of those."""
-        seen = [p.incarnation for p in self._pods(state.key) if (p.replica, p.rank) == (replica, rank)]
-        floor = max([state.incarnations.get((replica, rank), 0), *seen])
+        restarted operator, or another leader, learns them from the pods; `indexed`: `_highest_incarnations`,
+        computed once for a batch): the clock in nanoseconds, unless a clock set back would go below one of
+        those."""
+        seen = (indexed if indexed is not None else self._highest_incarnations(state)).get((replica, rank), 0)
+        floor = max(state.incarnations.get((replica, rank), 0), seen)
         incarnation = max(time.time_ns(), floor + 1)
         state.incarnations[(replica, rank)] = incarnation
         return incarnation
@@ -798,6 +814,7 @@ class Controller:
         each wave. A refused pod stops the rest without a storm of errors."""
         created: list[tuple[int, int]] = []
         wave = group.spec.world_size
+        indexed = self._highest_incarnations(state)
         while todo:
             batch, todo = todo[:wave], todo[wave:]
             # Nodes where a worker reported a device fault (the prober keeps them in the status): kept off.
@@ -814,7 +831,7 @@ class Controller:
                         builders.pod_group_name(group.name, replica)
                         if gang and replica not in loose
                         else None,
-                        self._next_incarnation(state, replica, rank),
+                        self._next_incarnation(state, replica, rank, indexed),
                     ),
                     avoided,
                 )

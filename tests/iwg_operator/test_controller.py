@@ -346,12 +346,19 @@ async def test_a_pod_past_its_deletion_deadline_is_force_deleted_and_one_within_
     kube.objects[("pods", "g-r1-w0")]["metadata"]["deletionTimestamp"] = stamp(
         FORCE_DELETE_AFTER_SECONDS - 10
     )
+    lagging = list(kube.pods())  # the watch shows no deletion during this test: the index keeps both pods
+    ctl.bind_pod_index(lambda key: lagging)
     kube.calls.clear()
     recheck = await ctl.reconcile(state)
     assert ("delete", "pods", "g-r0-w0") in kube.calls and kube.graces["g-r0-w0"] == 0
     assert ("delete", "pods", "g-r1-w0") not in kube.calls, "within its deadline's margin: the kubelet's"
     assert recheck is not None and recheck <= 10.5
     assert any(c[1] == "events" for c in kube.calls)  # ForceDeletedPods
+    # The next pass, the index still showing the pod, neither deletes it again nor posts a second Event.
+    kube.calls.clear()
+    await ctl.reconcile(state)
+    assert ("delete", "pods", "g-r0-w0") not in kube.calls
+    assert not any(c[1] == "events" for c in kube.calls), kube.calls
     await ctl.close()
 
 
