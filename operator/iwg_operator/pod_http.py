@@ -7,8 +7,8 @@ fixed amount:
   `METRICS_BODY_LIMIT` (`read_bounded`); a longer body fails that probe or that scrape (`BodyTooLarge`) and
   its connection is closed unread. Bodies are never decompressed (`Accept-Encoding: identity`, and a
   compressed answer is read as the bytes it is), so a small compressed body cannot expand either.
-- **A pool per purpose, without a total limit** (`PodClients`): health probes, metrics scrapes and drains
-  never wait for each other's connections, nor for a connection at all, so a probe's timeout measures only
+- **A pool per purpose, without a total limit** (`PodClients`): health probes, metrics scrapes, drains and
+  the activation long-polls of groups at zero never wait for each other's connections, nor for a connection at all, so a probe's timeout measures only
   the worker's answer. The number of connections is bounded by the work itself: a group's probe round waits
   for its probes, so at most one probe per pod is in flight; one scrape per driver; one drain per driver and
   leaving replica.
@@ -58,7 +58,7 @@ def session() -> aiohttp.ClientSession:
 
 
 class PodClients:
-    """The sessions of the supervisor's three purposes, each made on first use and closed together."""
+    """The sessions of the supervisor's four purposes, each made on first use and closed together."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
@@ -80,6 +80,10 @@ class PodClients:
     @property
     def drains(self) -> aiohttp.ClientSession:
         return self._get("drains")
+
+    @property
+    def activations(self) -> aiohttp.ClientSession:
+        return self._get("activations")
 
     async def close(self) -> None:
         sessions = list(self._sessions.values())

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from iwg_operator import metrics, status
+from iwg_operator.autoscaling.activation import ActivationWatch
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
 from iwg_operator.driver_admin import DriverPod, admin_token, drain_in_drivers, driver_addresses
@@ -75,27 +76,40 @@ class Supervisor:
             restarts=restarts_from_status(known.get("recentRestarts")),
         )
         scaler = GroupScaler()
+        watch = (
+            ActivationWatch()
+        )  # at zero replicas: wakes the autoscaler as soon as a driver holds a request
         next_probe = next_scale = time.monotonic()
-        while True:
-            state = self.controller.groups.get(key)
-            if state is None:
-                return
-            now = time.monotonic()
-            try:
-                if state.group is not None and now >= next_probe:
-                    next_probe = now + state.group.spec.health.period_seconds
-                    with metrics.reconcile("health"):
-                        await self._probe(state, prober)
-                if state.group is not None and now >= next_scale:
-                    next_scale = now + self.autoscale_interval
-                    if state.group.spec.autoscaling.enabled:
-                        with metrics.reconcile("autoscale"):
-                            await self._autoscale(state, scaler)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # never let one bad round end the supervision of a group
-                log.warning("supervising %s/%s: %s", *key, error)
-            await asyncio.sleep(max(0.05, min(next_probe, next_scale) - time.monotonic()))
+        try:
+            while True:
+                state = self.controller.groups.get(key)
+                if state is None:
+                    return
+                now = time.monotonic()
+                try:
+                    if state.group is not None and now >= next_probe:
+                        next_probe = now + state.group.spec.health.period_seconds
+                        with metrics.reconcile("health"):
+                            await self._probe(state, prober)
+                    if state.group is not None and now >= next_scale:
+                        next_scale = now + self.autoscale_interval
+                        if state.group.spec.autoscaling.enabled:
+                            with metrics.reconcile("autoscale"):
+                                await self._autoscale(state, scaler, watch)
+                        else:
+                            watch.stop()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # never let one bad round end the supervision of a group
+                    log.warning("supervising %s/%s: %s", *key, error)
+                wait = max(0.05, min(next_probe, next_scale) - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(watch.woken.wait(), wait)
+                if watch.woken.is_set():  # a driver holds a request: the autoscaler's round now
+                    watch.woken.clear()
+                    next_scale = time.monotonic()
+        finally:
+            watch.stop()
 
     # ------------------------------------------------------------------ health
 
@@ -161,7 +175,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ autoscaling
 
-    async def _autoscale(self, state: GroupState, scaler: GroupScaler) -> None:
+    async def _autoscale(self, state: GroupState, scaler: GroupScaler, watch: ActivationWatch) -> None:
         group = state.group
         assert group is not None
         spec = group.spec
@@ -176,6 +190,10 @@ class Supervisor:
         decision = scaler.decide(sample, error, current, spec.autoscaling)
         if decision.replicas is not None and decision.replicas != current:
             decision = await self._scale(state, decision, current, drivers)
+        if (current if decision.replicas is None else decision.replicas) == 0:
+            watch.track(self.clients.activations, drivers, spec.driver.port)
+        else:
+            watch.stop()
         metrics.autoscaler_decision(_direction(decision.replicas, current))
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(

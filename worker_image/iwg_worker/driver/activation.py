@@ -11,6 +11,12 @@ cancelled) leaves the queue at once. Without a timeout (0) nothing is held: an e
 ``iwg_activation_waiting`` counts the requests waiting here (the autoscaler's signal to scale from zero);
 ``iwg_activation_seconds`` observes, for each request that waited, the time from its arrival to its first
 answer (its first token when streamed).
+
+``GET /activation?wait=S`` (app.py) tells the operator at once: it answers as soon as a request is held (at
+once when one is now), or after ``S`` seconds (at most ``MAX_WATCH_S``) with nothing held. The autoscaler keeps
+one such long-poll open to each driver of a group at zero replicas, so it scales from zero without waiting
+for its next scrape; at most ``MAX_WATCHERS`` are open at a time (beyond them 429: the scrape still sees the
+held requests).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.openai_api import ApiError, queue_full_error
 from iwg_worker.driver.router import Router
 
+MAX_WATCHERS = 16
+MAX_WATCH_S = 60.0
+
 
 class Activation:
     def __init__(self, router: Router, metrics: DriverMetrics, timeout_s: float, max_waiting: int) -> None:
@@ -31,6 +40,7 @@ class Activation:
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._watchers: set[asyncio.Future[None]] = set()
         router.add_listener(self._release)
 
     @property
@@ -40,6 +50,11 @@ class Activation:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    @property
+    def watchers(self) -> int:
+        """Open `watch` long-polls."""
+        return len(self._watchers)
 
     async def hold(self) -> float | None:
         """Return once a replica serves: None at once when one serves now, else the monotonic time this request
@@ -56,6 +71,9 @@ class Activation:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._publish()
+        for watcher in self._watchers:
+            if not watcher.done():
+                watcher.set_result(None)
         try:
             await asyncio.wait_for(waiter, self.timeout_s)
         except TimeoutError:
@@ -75,6 +93,23 @@ class Activation:
                 self._waiters.remove(waiter)
             self._publish()
         return arrived
+
+    async def watch(self, wait_s: float) -> int:
+        """The number of requests held: at once when any is, else as soon as one is, or 0 after `wait_s`
+        (at most ``MAX_WATCH_S``). 429 when ``MAX_WATCHERS`` watches are open already."""
+        if self._waiters:
+            return len(self._waiters)
+        if len(self._watchers) >= MAX_WATCHERS:
+            raise queue_full_error(f"{len(self._watchers)} activation watches open")
+        watcher: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.add(watcher)
+        try:
+            await asyncio.wait_for(watcher, min(max(wait_s, 0.0), MAX_WATCH_S))
+        except TimeoutError:
+            pass
+        finally:
+            self._watchers.discard(watcher)
+        return len(self._waiters)
 
     def answered(self, arrived: float | None) -> None:
         """A request that waited (`hold` returned `arrived`) got its first answer."""

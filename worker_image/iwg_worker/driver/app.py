@@ -10,6 +10,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -70,6 +71,7 @@ def build_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/activation", _activation)
     app.router.add_get("/admin/replicas", _admin_replicas)
     app.router.add_post("/admin/batch-params", _admin_batch_params)
     app.router.add_post("/admin/replicas/{replica}/drain", _admin_drain)
@@ -322,6 +324,18 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[DRIVER_KEY].metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _activation(request: web.Request) -> web.Response:
+    """The operator's long-poll at zero replicas: `{"waiting": n}` as soon as a request is held (activation.py)."""
+    try:
+        wait_s = float(request.query.get("wait", "30"))
+        if not math.isfinite(wait_s):
+            raise ValueError(wait_s)
+    except ValueError:
+        raise ApiError(400, "'wait' must be a number of seconds.", param="wait") from None
+    waiting = await request.app[DRIVER_KEY].activation.watch(wait_s)
+    return _json({"waiting": waiting})
 
 
 # -- admin --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""Scale from zero without waiting for a scrape (issue 25): the supervisor of a group at zero keeps a long-poll
+open to each driver (autoscaling/activation.py) and scales to one replica as soon as a driver holds a request,
+long before its next scrape. Real HTTP: the driver's own app (over the fake replica pool) on a local port, the
+real Supervisor over a stand-in for the controller and the API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import pytest
+from iwg_operator.api import v1alpha1 as api
+from iwg_operator.autoscaling.activation import ActivationWatch
+from iwg_operator.controller import Controller, GroupState, group_from_body
+from iwg_operator.driver_admin import DriverPod
+from iwg_operator.kube import PODS, Resource
+from iwg_operator.pod_http import session
+from iwg_operator.supervisor import Supervisor
+from iwg_worker.driver.activation import MAX_WATCHERS
+from iwg_worker.driver.pool import ReplicaState
+
+from tests.iwg_worker.driver.test_driver_activation import at_zero, until
+from tests.iwg_worker.driver.test_driver_routing import embed, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRAPE_PERIOD_S = 30.0  # far above what the test allows: only the long-poll can make it
+
+
+class Kube:
+    """The calls the supervisor makes for a group at zero: its driver pods, and the scale it sets."""
+
+    def __init__(self) -> None:
+        self.drivers: list[dict[str, Any]] = []
+        self.scaled: list[tuple[float, int]] = []
+
+    async def list(
+        self, resource: Resource, namespace: str, label_selector: str, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        return list(self.drivers) if resource is PODS else []
+
+    async def scale(self, resource: Resource, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        self.scaled.append((time.monotonic(), replicas))
+        return {}
+
+
+class Groups:
+    """What the supervisor reads of the controller, and the Events and status it writes."""
+
+    def __init__(self, state: GroupState) -> None:
+        self.kube = Kube()
+        self.groups = {state.key: state}
+        self.events: list[tuple[str, str]] = []
+
+    def observed(self, key: Any) -> list[Any]:
+        return []
+
+    async def write_status(self, state: GroupState, change: Any) -> Mapping[str, Any] | None:
+        patch = change(state.current_status)
+        state.body = {**state.body, "status": {**state.current_status, **patch}}
+        return patch
+
+    async def post_event(
+        self, state: GroupState, kind: str, reason: str, message: str, once: bool = True
+    ) -> None:
+        self.events.append((reason, message))
+
+
+def group_at_zero(port: int) -> GroupState:
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "g", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {
+            "model": {"task": "embed", "path": "/m"},
+            "replicas": 0,
+            "driver": {"port": port},
+            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2},
+        },
+    }
+    return GroupState(key=("ns", "g"), body=body, group=group_from_body(body))
+
+
+def idle(groups: Groups) -> bool:
+    (state,) = groups.groups.values()
+    return any(c.get("reason") == "Idle" for c in state.current_status.get("conditions") or [])
+
+
+def driver_pod(address: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "g-driver-0"},
+        "status": {"podIP": address, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+@asynccontextmanager
+async def supervised(port: int) -> AsyncIterator[tuple[Groups, Supervisor]]:
+    state = group_at_zero(port)
+    groups = Groups(state)
+    groups.kube.drivers = [driver_pod("127.0.0.1")]
+    supervisor = Supervisor(cast(Controller, groups))
+    supervisor.autoscale_interval = SCRAPE_PERIOD_S
+    supervisor.watch(state.key)
+    try:
+        yield groups, supervisor
+    finally:
+        await supervisor.close()
+
+
+async def test_a_group_at_zero_scales_to_one_replica_well_within_a_second_of_a_held_request() -> None:
+    pool = at_zero()
+    async with serve(pool, activation_timeout_s=30.0) as (client, driver):
+        assert client.server.port is not None
+        async with supervised(client.server.port) as (groups, _):
+            # The first round (at once) finds the group idle at zero and opens the long-poll; the next
+            # scrape would come 30 s later.
+            await asyncio.wait_for(until(lambda: idle(groups)), 5)
+            await asyncio.wait_for(until(lambda: driver.activation.watchers == 1), 1)
+            assert groups.kube.scaled == []
+            arrived = time.monotonic()
+            held = asyncio.create_task(embed(client, "first request"))
+            await asyncio.wait_for(until(lambda: bool(groups.kube.scaled)), 5)
+            (at, replicas), *_ = groups.kube.scaled
+            print(f"scaled {at - arrived:.3f} s after the hold")
+            assert replicas == 1 and at - arrived < 0.5, at - arrived
+            assert [reason for reason, _ in groups.events] == ["ScaledFromZero"]
+            await until(lambda: driver.activation.watchers == 0)  # the poll ended with its answer
+            pool.set_state(0, ReplicaState.SERVING)
+            status, _, _ = await held
+            assert status == 200
+
+
+async def test_the_watch_holds_one_request_per_driver_and_none_once_the_group_leaves_zero() -> None:
+    async with (
+        serve(at_zero(), activation_timeout_s=30.0) as (one, first),
+        serve(at_zero(), activation_timeout_s=30.0) as (two, second),
+        session() as http,
+    ):
+        assert one.server.port is not None and two.server.port is not None
+        watch = ActivationWatch()
+        a = DriverPod("a", "127.0.0.1")
+        for _ in range(3):  # every autoscaler round at zero: still one poll per driver
+            watch.track(http, [a], one.server.port)
+            await until(lambda: first.activation.watchers == 1)
+        assert watch.open == 1
+        watch.track(http, [a], two.server.port)  # the set changed: the old driver's poll is closed
+        await until(lambda: second.activation.watchers == 1 and first.activation.watchers == 0)
+        watch.stop()  # the group left zero
+        await until(lambda: second.activation.watchers == 0)
+        assert watch.open == 0 and not watch.woken.is_set()
+        await watch.close()
+
+
+async def test_a_driver_answers_the_long_poll_at_once_when_it_holds_a_request_and_bounds_the_polls() -> None:
+    async with serve(at_zero(), activation_timeout_s=30.0) as (client, driver):
+        quiet = await client.get("/activation?wait=0.1")
+        assert (quiet.status, await quiet.json()) == (200, {"waiting": 0})
+        bad = await client.get("/activation?wait=nan")
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "wait"
+        polls = [asyncio.create_task(client.get("/activation?wait=30")) for _ in range(MAX_WATCHERS)]
+        await until(lambda: driver.activation.watchers == MAX_WATCHERS)
+        refused = await client.get("/activation?wait=30")
+        assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+        held = asyncio.create_task(embed(client, "wakes them all"))
+        answers = await asyncio.wait_for(asyncio.gather(*polls), 1)
+        assert [(r.status, await r.json()) for r in answers] == [(200, {"waiting": 1})] * MAX_WATCHERS
+        again = await client.get("/activation?wait=30")  # one held now: answered at once
+        assert await again.json() == {"waiting": 1}
+        held.cancel()
