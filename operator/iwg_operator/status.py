@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from iwg_operator import labels
@@ -63,6 +63,11 @@ Status = dict[str, Any]
 # A pod that no scheduler has looked at this long after its creation is reported: its schedulerName names a
 # scheduler that does not run (or the default scheduler is down).
 DEFAULT_SCHEDULING_TIMEOUT_SECONDS = 60.0
+
+
+def rfc3339(wall: float) -> str:
+    """A Unix time as the status writes times: RFC 3339, whole seconds, UTC."""
+    return datetime.fromtimestamp(wall, UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _age(pod: ObservedPod, now: str) -> float:

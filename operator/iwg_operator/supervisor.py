@@ -18,6 +18,7 @@ from typing import Any
 
 from iwg_operator import metrics, status
 from iwg_operator.autoscaling.activation import ActivationWatch
+from iwg_operator.autoscaling.policy import DriverSample
 from iwg_operator.autoscaling.scaler import GroupScaler, ScaleDecision
 from iwg_operator.controller import Controller, GroupKey, GroupState, now_rfc3339
 from iwg_operator.driver_admin import DriverPod, admin_token, drain_in_drivers, driver_addresses
@@ -195,6 +196,7 @@ class Supervisor:
         else:
             watch.stop()
         metrics.autoscaler_decision(_direction(decision.replicas, current))
+        activation = latest_activation(state.current_status, sample)
         before = status.previous_conditions(state.current_status)
         scaling = status.condition(
             SCALING_ACTIVE,
@@ -205,7 +207,16 @@ class Supervisor:
             before,
             now_rfc3339(),
         )
-        await self._write(state, {}, scaling)
+        await self._write(state, {"lastActivation": activation} if activation else {}, scaling)
+        if activation:
+            await self.controller.post_event(
+                state,
+                "Normal",
+                "ActivatedFromZero",
+                f"first answer {activation['seconds']:.2f} s after the first request held with no replica "
+                f"serving (answered at {activation['at']})",
+                once=False,
+            )
 
     async def _scale(
         self, state: GroupState, decision: ScaleDecision, current: int, drivers: list[DriverPod]
@@ -274,6 +285,16 @@ class Supervisor:
             return patch
 
         await self.controller.write_status(state, change)
+
+
+def latest_activation(current: Mapping[str, Any], sample: DriverSample | None) -> dict[str, Any] | None:
+    """status.lastActivation from the drivers' latest activation, when it is newer than the one written."""
+    if sample is None or sample.last_activation is None:
+        return None
+    at, seconds = sample.last_activation
+    when = status.rfc3339(at)
+    known = (current.get("lastActivation") or {}).get("at")
+    return {"at": when, "seconds": round(seconds, 3)} if known is None or str(known) < when else None
 
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

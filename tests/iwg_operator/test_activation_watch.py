@@ -12,18 +12,21 @@ from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import pytest
+from iwg_operator import status
 from iwg_operator.api import v1alpha1 as api
 from iwg_operator.autoscaling.activation import ActivationWatch
+from iwg_operator.autoscaling.policy import DriverSample, combine_samples, parse_driver_metrics
 from iwg_operator.controller import Controller, GroupState, group_from_body
 from iwg_operator.driver_admin import DriverPod
 from iwg_operator.kube import PODS, Resource
 from iwg_operator.pod_http import session
-from iwg_operator.supervisor import Supervisor
+from iwg_operator.supervisor import Supervisor, latest_activation
 from iwg_worker.driver.activation import MAX_WATCHERS
+from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.pool import ReplicaState
 
 from tests.iwg_worker.driver.test_driver_activation import at_zero, until
-from tests.iwg_worker.driver.test_driver_routing import embed, serve
+from tests.iwg_worker.driver.test_driver_routing import embed, metric, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,9 +34,11 @@ SCRAPE_PERIOD_S = 30.0  # far above what the test allows: only the long-poll can
 
 
 class Kube:
-    """The calls the supervisor makes for a group at zero: its driver pods, and the scale it sets."""
+    """The calls the supervisor makes for a group at zero: its driver pods, and the scale it sets (seen by
+    the group's state at once, as the watch would show it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: GroupState) -> None:
+        self.state = state
         self.drivers: list[dict[str, Any]] = []
         self.scaled: list[tuple[float, int]] = []
 
@@ -44,6 +49,8 @@ class Kube:
 
     async def scale(self, resource: Resource, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         self.scaled.append((time.monotonic(), replicas))
+        body = {**self.state.body, "spec": {**self.state.body["spec"], "replicas": replicas}}
+        self.state.body, self.state.group = body, group_from_body(body)
         return {}
 
 
@@ -51,7 +58,7 @@ class Groups:
     """What the supervisor reads of the controller, and the Events and status it writes."""
 
     def __init__(self, state: GroupState) -> None:
-        self.kube = Kube()
+        self.kube = Kube(state)
         self.groups = {state.key: state}
         self.events: list[tuple[str, str]] = []
 
@@ -97,12 +104,14 @@ def driver_pod(address: str) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def supervised(port: int) -> AsyncIterator[tuple[Groups, Supervisor]]:
+async def supervised(
+    port: int, period_s: float = SCRAPE_PERIOD_S
+) -> AsyncIterator[tuple[Groups, Supervisor]]:
     state = group_at_zero(port)
     groups = Groups(state)
     groups.kube.drivers = [driver_pod("127.0.0.1")]
     supervisor = Supervisor(cast(Controller, groups))
-    supervisor.autoscale_interval = SCRAPE_PERIOD_S
+    supervisor.autoscale_interval = period_s
     supervisor.watch(state.key)
     try:
         yield groups, supervisor
@@ -170,3 +179,42 @@ async def test_a_driver_answers_the_long_poll_at_once_when_it_holds_a_request_an
         again = await client.get("/activation?wait=30")  # one held now: answered at once
         assert await again.json() == {"waiting": 1}
         held.cancel()
+
+
+async def test_the_time_to_first_answer_goes_to_the_status_and_an_event_once() -> None:
+    pool = at_zero()
+    async with serve(pool, activation_timeout_s=30.0) as (client, driver):
+        assert client.server.port is not None
+        async with supervised(client.server.port, period_s=0.2) as (groups, _):
+            (state,) = groups.groups.values()
+            await asyncio.wait_for(until(lambda: idle(groups)), 5)
+            held = asyncio.create_task(embed(client, "first request"))
+            await asyncio.wait_for(until(lambda: bool(groups.kube.scaled)), 5)
+            await asyncio.sleep(0.5)  # the replica's cold start
+            pool.set_state(0, ReplicaState.SERVING)
+            assert (await held)[0] == 200
+            assert 0.5 <= metric(driver, "iwg_last_activation_seconds") < 5
+            assert abs(metric(driver, "iwg_last_activation_timestamp_seconds") - time.time()) < 5
+            await asyncio.wait_for(until(lambda: "lastActivation" in state.current_status), 5)
+            activation = state.current_status["lastActivation"]
+            assert activation["seconds"] == round(metric(driver, "iwg_last_activation_seconds"), 3)
+            assert activation["at"] == status.rfc3339(metric(driver, "iwg_last_activation_timestamp_seconds"))
+            await asyncio.sleep(0.5)  # more rounds: the same activation is not reported again
+            reasons = [reason for reason, _ in groups.events]
+            assert reasons == ["ScaledFromZero", "ActivatedFromZero"], groups.events
+            assert f"first answer {activation['seconds']:.2f} s after" in groups.events[1][1]
+
+
+def test_the_latest_activation_of_any_driver_is_read_and_written_once() -> None:
+    metrics = DriverMetrics()
+    assert parse_driver_metrics(metrics.render().decode(), 1.0).last_activation is None  # none yet
+    metrics.last_activation_seconds.set(7.25)
+    metrics.last_activation_time.set(1_800_000_000.0)
+    one = parse_driver_metrics(metrics.render().decode(), 1.0)
+    older = DriverSample(2.0, 0.0, 0.0, last_activation=(1_700_000_000.0, 1.0))
+    both = combine_samples({"a#0": one, "b#0": older})
+    assert both.last_activation == (1_800_000_000.0, 7.25)
+    entry = latest_activation({}, both)
+    assert entry == {"at": "2027-01-15T08:00:00Z", "seconds": 7.25}
+    assert latest_activation({"lastActivation": entry}, both) is None  # written already: no second Event
+    assert latest_activation({}, None) is None

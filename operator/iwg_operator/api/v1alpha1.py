@@ -1109,6 +1109,19 @@ class RecentRestart(ApiModel):
     replica: int = Field(ge=0, description="The replica replaced (or whose pod was).")
 
 
+class LastActivation(ApiModel):
+    """The group's latest activation from zero, as its drivers measured it."""
+
+    at: str = Field(description="When the first held request was answered (RFC 3339).")
+    seconds: float = Field(
+        ge=0,
+        description=(
+            "Time to first answer: from the first request a driver held with no replica serving to the first "
+            "answer of a held request."
+        ),
+    )
+
+
 class InferenceWorkerGroupStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -1142,6 +1155,13 @@ class InferenceWorkerGroupStatus(ApiModel):
     scale_count: int | None = Field(default=None, ge=0, description="Times the autoscaler changed replicas.")
     last_scale_time: str | None = Field(
         default=None, description="When the autoscaler last changed replicas."
+    )
+    last_activation: LastActivation | None = Field(
+        default=None,
+        description=(
+            "The latest activation from zero (scale from zero, or a start with requests held): written by the "
+            "autoscaler (spec.autoscaling.enabled) from the drivers' metrics, with an Event ActivatedFromZero."
+        ),
     )
     avoided_nodes: list[AvoidedNode] = Field(
         default_factory=list,

@@ -21,6 +21,9 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 # use resets the idle clock).
 ACTIVATION_WAITING = "iwg_activation_waiting"
 REQUESTS_TOTAL = "iwg_requests_total"
+# The driver's latest activation: its time to first answer, and when that answer came (Unix time; 0: none yet).
+LAST_ACTIVATION_SECONDS = "iwg_last_activation_seconds"
+LAST_ACTIVATION_TIME = "iwg_last_activation_timestamp_seconds"
 
 
 class MetricsError(ValueError):
@@ -44,6 +47,8 @@ class DriverSample:
         0.0  # requests held for a replica to start (summed: each driver holds its own)
     )
     requests_total: float = 0.0  # requests answered since each driver started (summed)
+    # (when, Unix time, its time to first answer in s) of the latest activation of any driver; None: none yet
+    last_activation: tuple[float, float] | None = None
 
 
 def parse_driver_metrics(text: str, at: float) -> DriverSample:
@@ -65,7 +70,13 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
             queue = value
         elif name == INFLIGHT:
             inflight = value
-        elif name in (REQUESTS_WAITING, KV_CACHE_USAGE, ACTIVATION_WAITING):
+        elif name in (
+            REQUESTS_WAITING,
+            KV_CACHE_USAGE,
+            ACTIVATION_WAITING,
+            LAST_ACTIVATION_SECONDS,
+            LAST_ACTIVATION_TIME,
+        ):
             gauges[name] = value
         elif name == REQUESTS_TOTAL:
             answered += value
@@ -85,6 +96,11 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
         gauges.get(KV_CACHE_USAGE),
         activation_waiting=gauges.get(ACTIVATION_WAITING, 0.0),
         requests_total=answered,
+        last_activation=(
+            (gauges[LAST_ACTIVATION_TIME], gauges.get(LAST_ACTIVATION_SECONDS, 0.0))
+            if gauges.get(LAST_ACTIVATION_TIME, 0.0) > 0
+            else None
+        ),
     )
 
 
@@ -98,7 +114,8 @@ def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
     own. Summing them would count each waiting request once per driver (two drivers would double the group's
     `requestsWaiting` and scale it up for nothing). They are taken as the highest reading instead: the
     readings differ only in when each driver took them and which serving replicas it reached, and the highest
-    keeps a scale-down from acting on one driver's partial view.
+    keeps a scale-down from acting on one driver's partial view. The latest activation is the latest of any
+    driver's.
     """
     if not samples:
         raise MetricsError("no driver sample")
@@ -117,6 +134,7 @@ def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
         drivers=tuple(sorted(samples)),
         activation_waiting=sum(p.activation_waiting for p in parts),
         requests_total=sum(p.requests_total for p in parts),
+        last_activation=max((p.last_activation for p in parts if p.last_activation), default=None),
     )
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -35,6 +35,7 @@ from iwg_operator.health.policy import (
 )
 from iwg_operator.planning import ObservedPod
 from iwg_operator.pod_http import HEALTH_BODY_LIMIT, BodyTooLarge, read_bounded
+from iwg_operator.status import rfc3339
 
 log = logging.getLogger("iwg_operator.health")
 
@@ -110,7 +111,7 @@ class GroupProber:
             else:
                 del self.replica_restarts[replica]
         entries = sorted((t, r) for r, times in self.replica_restarts.items() for t in times)
-        return [{"time": _rfc3339(wall - (now - t)), "replica": r} for t, r in entries[-MAX_RECENT_RESTARTS:]]
+        return [{"time": rfc3339(wall - (now - t)), "replica": r} for t, r in entries[-MAX_RECENT_RESTARTS:]]
 
     async def round(
         self, http: aiohttp.ClientSession, pods: Sequence[ObservedPod], spec: HealthSpec, world_size: int
@@ -182,10 +183,6 @@ def restarts_from_status(entries: object) -> list[tuple[float, int]]:
         except (KeyError, TypeError, ValueError):
             continue
     return found
-
-
-def _rfc3339(wall: float) -> str:
-    return datetime.fromtimestamp(wall, UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def describe(replacement: Replacement, world_size: int) -> str:

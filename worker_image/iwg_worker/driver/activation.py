@@ -10,7 +10,10 @@ cancelled) leaves the queue at once. Without a timeout (0) nothing is held: an e
 
 ``iwg_activation_waiting`` counts the requests waiting here (the autoscaler's signal to scale from zero);
 ``iwg_activation_seconds`` observes, for each request that waited, the time from its arrival to its first
-answer (its first token when streamed).
+answer (its first token when streamed). ``iwg_last_activation_seconds`` is the latest activation's time to
+first answer: from the oldest request held to the first answer of any of them, once a replica served
+(``iwg_last_activation_timestamp_seconds``: when that answer came, Unix time; both 0 before any); the
+autoscaler writes it to the group's status (``lastActivation``).
 
 ``GET /activation?wait=S`` (app.py) tells the operator at once: it answers as soon as a request is held (at
 once when one is now), or after ``S`` seconds (at most ``MAX_WATCH_S``) with nothing held. The autoscaler keeps
@@ -39,7 +42,10 @@ class Activation:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[float, asyncio.Future[None]]] = deque()  # (arrival, waiter), oldest first
+        # The arrival of the oldest request of the last release, until one request of it is answered: the
+        # activation that `answered` measures.
+        self._released_from: float | None = None
         self._watchers: set[asyncio.Future[None]] = set()
         router.add_listener(self._release)
 
@@ -69,7 +75,7 @@ class Activation:
             raise queue_full_error(f"{len(self._waiters)} requests held while a replica starts")
         arrived = time.monotonic()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((arrived, waiter))
         self._publish()
         for watcher in self._watchers:
             if not watcher.done():
@@ -89,8 +95,7 @@ class Activation:
         finally:
             if not waiter.done():
                 waiter.cancel()
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._waiters = deque(w for w in self._waiters if w[1] is not waiter)
             self._publish()
         return arrived
 
@@ -112,16 +117,25 @@ class Activation:
         return len(self._waiters)
 
     def answered(self, arrived: float | None) -> None:
-        """A request that waited (`hold` returned `arrived`) got its first answer."""
-        if arrived is not None:
-            self.metrics.activation_seconds.observe(time.monotonic() - arrived)
+        """A request that waited (`hold` returned `arrived`) got its first answer. The first one answered
+        after a release completes that activation: from the first request held to this first answer."""
+        if arrived is None:
+            return
+        now = time.monotonic()
+        self.metrics.activation_seconds.observe(now - arrived)
+        if self._released_from is not None:
+            self.metrics.last_activation_seconds.set(now - self._released_from)
+            self.metrics.last_activation_time.set(time.time())
+            self._released_from = None
 
     def _release(self) -> None:
         """Every waiting request, oldest first, once a replica serves (their tasks resume in this order)."""
         if not self.router.serving():
             return
+        if self._waiters:
+            self._released_from = self._waiters[0][0]
         while self._waiters:
-            waiter = self._waiters.popleft()
+            _, waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
         self._publish()

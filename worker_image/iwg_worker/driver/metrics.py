@@ -97,6 +97,17 @@ class DriverMetrics:
             buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0),
             registry=r,
         )
+        self.last_activation_seconds = Gauge(
+            "iwg_last_activation_seconds",
+            "The latest activation: time from the first request held with no replica serving to the first "
+            "answer of a held request (0 before any)",
+            registry=r,
+        )
+        self.last_activation_time = Gauge(
+            "iwg_last_activation_timestamp_seconds",
+            "When the latest activation's first answer came, Unix time (0 before any)",
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "iwg_time_to_first_token_seconds",
             "Time from admitting a generation request to its first output",
