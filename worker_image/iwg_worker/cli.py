@@ -104,8 +104,13 @@ def serve(args: argparse.Namespace) -> int:
         print(f"iwg serve: spec.worldSize: {refusal}", file=sys.stderr)
         return 2
     replicas = group.spec.replicas if args.replicas is None else args.replicas
-    if replicas < 1:
-        print("iwg serve: needs at least one replica (spec.replicas or --replicas)", file=sys.stderr)
+    autoscaling = group.spec.autoscaling
+    if replicas < 0 or (replicas == 0 and not (autoscaling.enabled and autoscaling.min_replicas == 0)):
+        print(
+            "iwg serve: needs at least one replica (spec.replicas or --replicas), or 0 with spec.autoscaling "
+            "enabled and minReplicas 0 (a replica then starts on the first request)",
+            file=sys.stderr,
+        )
         return 2
     token = _admin_token(args.admin_token_file)
     if token is None:
@@ -114,6 +119,16 @@ def serve(args: argparse.Namespace) -> int:
     # A signal during the (long) worker start-up unwinds through MultiprocExecutor, which stops its workers;
     # one after it, through the executor's shutdown below. While HTTP serves, the driver's loop takes them.
     previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
+    if replicas == 0:  # the driver alone; it starts the workers of one replica on the first request
+        try:
+            asyncio.run(_serve_http(group, None, 0, token, args))
+        except _Stop as stop:
+            print(f"iwg serve: stopped by {stop}", file=sys.stderr)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        print("iwg serve: stopped", file=sys.stderr)
+        return 0
     try:
         try:
             executor = _start_workers(group, str(model_path), replicas, args)
@@ -274,11 +289,14 @@ async def _serve_http(
     engine: str | None = None,
 ) -> None:
     from iwg_worker.driver.executor_pool import ExecutorPool
+    from iwg_worker.driver.pool import ReplicaPool
     from iwg_worker.driver.server import run_driver
     from iwg_worker.driver.service import Driver, DriverConfig
+    from iwg_worker.driver.zero_pool import LocalScaler, ZeroPool, scaling
     from iwg_worker.model_dir import context_length, vocab_size
 
     batching = group.spec.driver.batching
+    autoscaling = group.spec.autoscaling
     model_path = group.spec.model.resolved_path()
     config = DriverConfig(
         served_name=group.served_name,
@@ -290,18 +308,38 @@ async def _serve_http(
         context_length=context_length(model_path),
         routing_policy=group.spec.driver.routing.policy,
         load_bound=group.spec.driver.routing.load_bound,
+        # As the operator sets it (builders/driver.py): requests are held while no replica serves.
+        activation_timeout_s=float(autoscaling.activation_timeout_seconds)
+        if autoscaling.min_replicas == 0
+        else 0.0,
     )
-    driver = Driver(config, ExecutorPool(executor))
+    zero = ZeroPool() if replicas == 0 else None
+    pool: ReplicaPool = zero if zero is not None else ExecutorPool(executor)
+    driver = Driver(config, pool)
     port = group.spec.driver.port if args.port is None else args.port
 
     def listening(bound: int) -> None:
         # One line a script can wait for; the token goes to stderr only when we made it up.
         shape = f"{replicas} replicas" + (f", {engine}" if engine else "")
+        if zero is not None:
+            shape += ", one starts on the first request"
         print(f"iwg serve: {group.served_name} on http://{args.host}:{bound}/v1 ({shape})", flush=True)
         if args.admin_token_file is None:
             print(f"iwg serve: admin token (Authorization: Bearer): {token}", file=sys.stderr, flush=True)
 
-    await run_driver(driver, args.host, port, token, on_listening=listening, signals=STOP_SIGNALS)
+    if zero is None:
+        await run_driver(driver, args.host, port, token, on_listening=listening, signals=STOP_SIGNALS)
+        return
+    model = str(model_path)
+    scaler = LocalScaler(
+        driver,
+        zero,
+        lambda: _start_workers(group, model, 1, args),
+        autoscaling,
+        float(group.spec.rollout.drain_timeout_seconds),
+    )
+    async with scaling(scaler):
+        await run_driver(driver, args.host, port, token, on_listening=listening, signals=STOP_SIGNALS)
 
 
 def main(argv: list[str] | None = None) -> int:
