@@ -12,8 +12,11 @@ from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from iwg_operator import status
 from iwg_operator.api import v1alpha1 as api
+from iwg_operator.autoscaling import activation
 from iwg_operator.autoscaling.activation import ActivationWatch
 from iwg_operator.autoscaling.policy import DriverSample, combine_samples, parse_driver_metrics
 from iwg_operator.controller import Controller, GroupState, group_from_body
@@ -218,3 +221,25 @@ def test_the_latest_activation_of_any_driver_is_read_and_written_once() -> None:
     assert entry == {"at": "2027-01-15T08:00:00Z", "seconds": 7.25}
     assert latest_activation({"lastActivation": entry}, both) is None  # written already: no second Event
     assert latest_activation({}, None) is None
+
+
+async def test_a_driver_that_answers_without_waiting_is_not_asked_in_a_busy_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked = 0
+
+    async def at_once(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        return web.json_response({"waiting": 0})
+
+    app = web.Application()
+    app.router.add_get("/activation", at_once)
+    monkeypatch.setattr(activation, "MIN_POLL_S", 0.2)
+    async with TestServer(app) as server, session() as http:
+        assert server.port is not None
+        watch = ActivationWatch()
+        watch.track(http, [DriverPod("a", "127.0.0.1")], server.port)
+        await asyncio.sleep(0.5)
+        await watch.close()
+    assert 1 <= asked <= 4, asked

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Sequence
 
 import aiohttp
@@ -28,6 +29,7 @@ from iwg_operator.pod_http import read_bounded
 log = logging.getLogger("iwg_operator.autoscaling")
 
 POLL_WAIT_S = 30.0
+MIN_POLL_S = 1.0  # a driver that answers "nothing held" without waiting is asked at most this often
 ACTIVATION_BODY_LIMIT = 1 << 16  # the answer is `{"waiting": n}`
 
 
@@ -70,6 +72,7 @@ class ActivationWatch:
         timeout = aiohttp.ClientTimeout(total=POLL_WAIT_S + 10, sock_connect=CONNECT_TIMEOUT_S)
         try:
             while True:
+                asked = time.monotonic()
                 async with http.get(url, timeout=timeout) as response:
                     if response.status != 200:
                         raise ValueError(f"HTTP {response.status}")
@@ -79,6 +82,8 @@ class ActivationWatch:
                     self._reported.add(key)
                     self.woken.set()
                     return
+                # Nothing held: asked again at once, unless the driver did not wait (then once a second).
+                await asyncio.sleep(max(0.0, MIN_POLL_S - (time.monotonic() - asked)))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the next round starts it again; the scrape still sees held requests
