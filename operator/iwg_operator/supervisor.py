@@ -77,9 +77,8 @@ class Supervisor:
             restarts=restarts_from_status(known.get("recentRestarts")),
         )
         scaler = GroupScaler()
-        watch = (
-            ActivationWatch()
-        )  # at zero replicas: wakes the autoscaler as soon as a driver holds a request
+        # At zero replicas: wakes the autoscaler as soon as a driver holds a request.
+        watch = ActivationWatch()
         next_probe = next_scale = time.monotonic()
         try:
             while True:

@@ -5,7 +5,9 @@ manifest `iwg serve` accepts is one the API server accepts. The group runs as it
 driver (HTTP, batching, routing) and `replicas x worldSize` `iwg-worker` processes, spawned by
 `MultiprocExecutor` and reached through its shared-memory ring and ZMQ ipc; a replica that loses a worker
 is restarted after ``spec.health``'s backoff. With ``--executor ray`` the ranks are Ray actors instead
-(`RayExecutor`, the ``ray`` extra), on a local Ray or the cluster at ``--ray-address``.
+(`RayExecutor`, the ``ray`` extra), on a local Ray or the cluster at ``--ray-address``. With 0 replicas (which
+needs ``spec.autoscaling`` enabled with ``minReplicas: 0``) the driver starts alone and one replica's workers
+start on the first request and stop when idle (`iwg_worker.driver.zero_pool`).
 
 SIGTERM, SIGINT and SIGHUP stop it cleanly, at any point: the workers stop and the shared-memory ring and the
 private directory are removed. Killed with SIGKILL, its workers end by themselves (`parent_watch`) and the
