@@ -30,6 +30,7 @@ from iwg_worker.driver.pool import (
     MembershipEvent,
     MembershipListener,
     ReplicaFailure,
+    ReplicaPool,
     ReplicaState,
 )
 from iwg_worker.driver.service import Driver
@@ -41,10 +42,10 @@ RETRY_START_S = 5.0  # after a start that failed, the next try on a held request
 
 
 class ZeroPool:
-    """A `ReplicaPool` whose replicas are those of the executor it was last given (none at first)."""
+    """A `ReplicaPool` whose replicas are those of the pool it was last given (none at first)."""
 
     def __init__(self) -> None:
-        self._inner: ExecutorPool | None = None
+        self._inner: ReplicaPool | None = None
         self._listeners: list[MembershipListener] = []
         self.closed = False
 
@@ -62,16 +63,15 @@ class ZeroPool:
         for listener in self._listeners:
             listener(event)
 
-    def attach(self, executor: Any) -> None:
-        """Serve through `executor`'s replicas (started, serving): each is announced in its current state."""
-        inner = ExecutorPool(executor)
+    def attach(self, inner: ReplicaPool) -> None:
+        """Serve through `inner`'s replicas (started, serving): each is announced in its current state."""
         inner.add_listener(self._forward)
         self._inner = inner
         for replica, state in inner.states().items():
             self._forward(MembershipEvent(replica, state, "started from zero"))
 
     async def detach(self) -> None:
-        """Stop the executor's workers; its replicas leave (DEAD) first, so nothing new is sent to them."""
+        """Stop the workers (`inner.close`); its replicas leave (DEAD) first, so nothing new is sent to them."""
         inner, self._inner = self._inner, None
         if inner is None:
             return
@@ -79,7 +79,7 @@ class ZeroPool:
             self._forward(MembershipEvent(replica, ReplicaState.DEAD, "scaled to zero"))
         await inner.close()
 
-    def _current(self) -> ExecutorPool:
+    def _current(self) -> ReplicaPool:
         if self._inner is None:
             raise ReplicaFailure("no replica runs (scaled to zero)")
         return self._inner
@@ -114,10 +114,12 @@ class LocalScaler:
         make_executor: Callable[[], Any],
         spec: AutoscalingSpec,
         drain_timeout_s: float,
+        pool_of: Callable[[Any], ReplicaPool] = ExecutorPool,
     ) -> None:
         self.driver = driver
         self.pool = pool
-        self.make_executor = make_executor
+        self.make_executor = make_executor  # blocking: run in a thread; returns once its replica serves
+        self.pool_of = pool_of
         self.spec = spec
         self.drain_timeout_s = drain_timeout_s
         self.scaler = GroupScaler()
@@ -153,16 +155,17 @@ class LocalScaler:
             executor = await asyncio.shield(start)
         except asyncio.CancelledError:  # stopping while the workers start: stop them once they have
             with contextlib.suppress(Exception):
-                (await start).shutdown()
+                await self.pool_of(await start).close()
             raise
         except Exception as error:  # held requests wait on (up to their activation timeout); try again
             log.error("starting a replica from zero failed: %s", error)
             await asyncio.sleep(RETRY_START_S)
             return
+        inner = self.pool_of(executor)
         if self.pool.closed:  # the driver stopped while the workers started
-            await asyncio.to_thread(executor.shutdown)
+            await inner.close()
             return
-        self.pool.attach(executor)
+        self.pool.attach(inner)
         log.info("replica 0 serving %.1f s after the first held request", time.monotonic() - started)
 
     async def _maybe_to_zero(self) -> None:
