@@ -193,6 +193,12 @@ def test_a_driver_pod_has_the_time_to_finish_what_it_admitted_before_it_is_kille
     assert env_of(pod["containers"][0])[wiring.DRIVER_LAME_DUCK] == "5"
 
 
+def test_a_worker_pod_has_the_time_to_drain_its_generation_requests_before_it_is_killed() -> None:
+    grace = builders.worker_pod(group(), 0, 0, SETTINGS)["spec"]["terminationGracePeriodSeconds"]
+    assert grace == wiring.WORKER_DRAIN_S + wiring.WORKER_GRACE_AFTER_DRAIN_S  # the drain, then the stop
+    assert grace >= wiring.WORKER_DRAIN_S + 10
+
+
 def test_the_lame_duck_time_is_settable_and_the_grace_period_covers_it() -> None:
     pod = builders.driver_deployment(group(driver={"lameDuckSeconds": 20}))["spec"]["template"]["spec"]
     assert env_of(pod["containers"][0])[wiring.DRIVER_LAME_DUCK] == "20"

@@ -464,7 +464,7 @@ def test_killed_worker_fails_the_pending_call_within_the_heartbeat_timeout(clust
     assert executor.collective_rpc("echo", ("others serve",), replica=0, timeout=30) == [["others serve"]]
 
 
-def test_sigterm_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
+def test_sigint_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     multiproc: MultiprocExecutor,
 ) -> None:
     events: list[MembershipEvent] = []
@@ -472,10 +472,67 @@ def test_sigterm_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     in_flight = multiproc.collective_rpc_future("sleep", (1.0,), timeout=60)
     queued = multiproc.collective_rpc_future("echo", ("never run",), timeout=60)
     time.sleep(0.3)
-    multiproc.shutdown()  # SIGTERM to every worker, then waits for them
+    multiproc.shutdown()  # SIGINT to every worker, then waits for them
     assert in_flight.result(timeout=0) == [1.0, 1.0]
     # The call queued behind it was never run: the goodbye's last_call says so, and it fails at once.
     error = queued.exception(timeout=0)
     assert isinstance(error, ReplicaLostError) and "goodbye" in error.reason and error.method == "echo"
     assert [wp.process.returncode for wp in multiproc.processes] == [0, 0]
     assert sorted(e.rank for e in events if e.kind == "left" and e.reason.startswith("goodbye")) == [0, 1]
+
+
+def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
+    """A heartbeat with ``capabilities.draining`` (a worker that got SIGTERM) makes its replica draining, whichever
+    rank sends it; the replica still serves (what it runs finishes) and is draining until that rank's goodbye.
+    Raw sockets stand in for the two ranks of one replica."""
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replicas=1, world_size=2, insecure=True, group="g"
+    )
+    events: list[MembershipEvent] = []
+    executor.subscribe(events.append)
+    context = zmq.Context()
+    sockets = []
+    try:
+        pushes = []
+        for rank in (0, 1):
+            dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
+            dealer.routing_id = f"rank-{rank}".encode()
+            for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
+                sock.linger = 0
+                sock.connect(endpoint)
+                sockets.append(sock)
+            pushes.append(push)
+
+        def beat(rank: int, kind: str = "heartbeat", **capabilities: object) -> None:
+            hello = protocol.Hello(
+                kind, "g", 0, rank, 2, f"pod-{rank}", f"rank-{rank}".encode(), capabilities
+            )
+            pushes[rank].send_multipart(protocol.encode_hello(hello))
+
+        beat(0, "hello")
+        beat(1, "hello")
+        executor.wait_until_serving(timeout=10)
+        assert executor.draining_replicas() == frozenset()
+        beat(1, draining=True)
+        deadline = time.monotonic() + 5
+        while not executor.draining_replicas():
+            assert time.monotonic() < deadline, "the draining heartbeat was not seen"
+            time.sleep(0.01)
+        assert executor.draining_replicas() == {0} and executor.serving_replicas() == {0}
+        assert [(e.kind, e.rank) for e in events if e.kind == "draining"] == [("draining", 1)]
+        beat(1, draining=True)  # announced once
+        beat(0)  # another rank's plain heartbeat leaves the replica draining
+        time.sleep(0.2)
+        assert executor.draining_replicas() == {0}
+        assert sum(e.kind == "draining" for e in events) == 1
+        pushes[1].send_multipart(protocol.encode_goodbye(0, 1, "stopping", None))
+        deadline = time.monotonic() + 5
+        while executor.serving_replicas():
+            assert time.monotonic() < deadline, "the goodbye was not seen"
+            time.sleep(0.01)
+        assert executor.draining_replicas() == frozenset()
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+        executor.shutdown()

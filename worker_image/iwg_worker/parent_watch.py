@@ -3,8 +3,8 @@
 `MultiprocExecutor` (so `iwg serve`) starts each ``iwg-worker`` with ``IWG_PARENT_PID`` set to its own pid. A
 worker so started asks the kernel for a signal when its parent dies (``PR_SET_PDEATHSIG`` through ``prctl``,
 Linux), and watches its parent pid on a thread as well (every ``WATCH_INTERVAL_S``: other systems, and the
-case where the parent died before the ``prctl``). Either way it then stops as on SIGTERM (goodbye, engine
-shut down), and exits within ``ORPHAN_GRACE_S`` whatever it was doing: nothing is left waiting for a driver
+case where the parent died before the ``prctl``). Either way it then stops as on SIGINT, without SIGTERM's
+drain (goodbye, engine shut down), and exits within ``ORPHAN_GRACE_S`` whatever it was doing: nothing is left waiting for a driver
 that will never come back. Pods do not set the variable: a pod's worker has no such parent.
 
 The kernel sends the death signal when the *thread* that started the process ends, which may be before the

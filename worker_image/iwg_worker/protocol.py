@@ -15,7 +15,10 @@ Message kinds and their header keys (every key required, no others allowed):
   ``{type, message, traceback}`` or nil
 - ``hello`` / ``heartbeat``: ``{kind, group, replica, rank, world_size, pod, routing_id, capabilities}``
   worker -> driver; a heartbeat repeats the hello so a restarted driver relearns its members;
-  ``capabilities.incarnation`` says which creation of its rank the pod is (the driver refuses older ones)
+  ``capabilities.incarnation`` says which creation of its rank the pod is (the driver refuses older ones);
+  ``capabilities.draining: true`` says the worker is leaving (SIGTERM): its replica takes nothing new and
+  finishes what it runs before the goodbye. ``capabilities`` is an open map (a driver ignores keys it does not
+  know), so this travels to drivers of every version without a new kind or key
 - ``goodbye``: ``{kind, replica, rank, reason, last_call}`` worker -> driver; ``last_call`` is the id of the
   last call the worker ran (it ran every earlier one it received, and will run none after); the one optional
   key, ``incarnation``, is sent by a pod that has one (a driver ignores the goodbye of a replaced incarnation)

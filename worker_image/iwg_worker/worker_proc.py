@@ -8,9 +8,15 @@ replies to the output path (``worker_response_mq``, a PUSH connected to the driv
 when that FIFO has room. A reply is sent straight from the busy loop only when that cannot block (nothing
 queued, a non-blocking send succeeds); otherwise the output thread sends it, so sending never holds up the
 next execution. The output thread also sends the
-heartbeats. Errors become structured replies and the loop keeps serving. SIGTERM/SIGINT: the in-flight call
-finishes, a goodbye is sent, the process exits 0. A worker that a local executor started (``IWG_PARENT_PID``)
-stops the same way when that parent dies (`parent_watch`).
+heartbeats. Errors become structured replies and the loop keeps serving.
+
+Stopping. SIGINT (and a local executor's shutdown, or its death: `parent_watch`): the in-flight call finishes,
+a goodbye is sent, the process exits 0. SIGTERM (an evicted or deleted pod) drains first, as a generation
+server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
+the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
+streams) until its replica runs no generation request, or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has
+passed, when what still runs is cut; then the goodbye, exit 0. A worker without a generation engine (one call
+at a time) stops after its in-flight call, as on SIGINT.
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
 resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
@@ -74,6 +80,7 @@ OVERFLOW_WAIT_S = 10.0
 MAX_BACKLOG = 1024  # messages a link holds for a driver that is slow to take them (beyond ZMQ's own queue)
 BACKLOG_RETRY_S = 0.005  # how soon the output thread tries a backlog again
 CLOSE_FLUSH_S = 1.0  # how long a closing worker keeps trying to hand its backlogs (goodbyes) to live drivers
+DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its replica still runs anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,7 @@ class WorkerProcConfig:
     ring_wake: str = ""
     ring_spin_s: float = shm_ring.DEFAULT_SPIN_S
     reply_pipe: str = ""  # a MultiprocExecutor's FIFO for small replies
+    drain_timeout_s: float = wiring.WORKER_DRAIN_S  # after SIGTERM, the longest a generation worker drains
 
     def __post_init__(self) -> None:
         rpc, response = self.rpc_endpoint.split(","), self.response_endpoint.split(",")
@@ -298,6 +306,11 @@ class WorkerProc:
         )
         self.metrics = _Metrics(self.wrapper)
         self._stopping = threading.Event()
+        # SIGTERM's drain: asked for (set by the signal handler alone), started (its deadline, busy loop).
+        self._drain_requested = False
+        self._drain_deadline: float | None = None
+        self._drain_check_at = 0.0
+        self._beat_now = False  # the output thread sends a heartbeat at its next turn (the drain's news)
         self._loop_tick = time.monotonic()
         self._in_flight: tuple[str, float | None] | None = None
         self._driver_timeout_s = config.heartbeat_interval_s * wiring.DEFAULT_HEARTBEAT_MISSES
@@ -399,12 +412,9 @@ class WorkerProc:
         }
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
-        ready = self._model_loaded and not self._stopping.is_set()
-        return ready, {
-            "ready": ready,
-            "model_loaded": self._model_loaded,
-            "draining": self._stopping.is_set(),
-        }
+        draining = self._stopping.is_set() or self._drain_deadline is not None
+        ready = self._model_loaded and not draining
+        return ready, {"ready": ready, "model_loaded": self._model_loaded, "draining": draining}
 
     # -- output path -----------------------------------------------------------------------------------
 
@@ -428,6 +438,8 @@ class WorkerProc:
                     "health_port": self.health.port,
                     "pid": os.getpid(),
                     "incarnation": self.config.incarnation,
+                    # Draining after SIGTERM: no new requests for this replica (drivers that know the key).
+                    **({"draining": True} if self._drain_deadline is not None else {}),
                 },
             )
         )
@@ -528,7 +540,9 @@ class WorkerProc:
 
     def _emit_stream(self, items: list[dict[str, Any]]) -> None:
         """One engine step's output of every running request (called on the engine's thread): one message to
-        each driver with items of its own requests (an item of a request no link is known for goes to all)."""
+        each driver with items of its own requests (an item of a request no link is known for goes to all).
+        Sent under the stream lock: a request's final item is on its way before its owner is gone from
+        ``_stream_links``, which a drain counts (its goodbye must come after every final item)."""
         by_link: dict[int, tuple[_DriverLink | None, list[dict[str, Any]]]] = {}
         with self._stream_lock:
             for item in items:
@@ -536,10 +550,10 @@ class WorkerProc:
                 rid: str = item["id"]
                 owner = self._stream_links.pop(rid, None) if ended else self._stream_links.get(rid)
                 by_link.setdefault(id(owner), (owner, []))[1].append(item)
-        for owner, owned in by_link.values():
-            frames = protocol.encode_stream(self.replica, self.rank, owned)
-            for link in [owner] if owner is not None else self.links:
-                self._emit(frames, link)
+            for owner, owned in by_link.values():
+                frames = protocol.encode_stream(self.replica, self.rank, owned)
+                for link in [owner] if owner is not None else self.links:
+                    self._emit(frames, link)
 
     def _own_streams(self, call: protocol.Call, link: _DriverLink) -> None:
         """Remember which driver starts the generation requests of an ``engine_add`` call."""
@@ -587,7 +601,8 @@ class WorkerProc:
             if closing:
                 self._flush_before_close()
                 return
-            if time.monotonic() >= next_beat:
+            if self._beat_now or time.monotonic() >= next_beat:
+                self._beat_now = False
                 beat = self._hello("heartbeat")
                 next_beat = time.monotonic() + interval
                 for link in self.links:
@@ -688,7 +703,7 @@ class WorkerProc:
         polled: list[_DriverLink] | None = None
         poller = zmq.Poller()
         by_socket: dict[zmq.Socket[bytes], _DriverLink] = {}
-        while not self._stopping.is_set():
+        while self._keep_serving():
             self._loop_tick = time.monotonic()
             links = self._sync_links()
             if links is not polled:
@@ -761,7 +776,7 @@ class WorkerProc:
             return bool(poller.poll(round(timeout * 1000)))
 
         active = time.monotonic()
-        while not self._stopping.is_set():
+        while self._keep_serving():
             now = self._loop_tick = time.monotonic()
             try:
                 message = ring.poll()
@@ -882,7 +897,66 @@ class WorkerProc:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def request_stop(self, *_: Any) -> None:
+        """Stop after the in-flight call (SIGINT)."""
         self._stopping.set()
+
+    def request_drain(self) -> None:
+        """Drain, then stop (SIGTERM; module docstring). Only sets a flag, so a signal handler may call it: the
+        busy loop starts the drain (`_keep_serving`)."""
+        self._drain_requested = True
+
+    def _keep_serving(self) -> bool:
+        """Whether the busy loop goes on: until a stop, or the end of a drain (busy loop thread)."""
+        if self._drain_requested and self._drain_deadline is None and not self._stopping.is_set():
+            self._start_drain()
+        if self._stopping.is_set():
+            return False
+        if self._drain_deadline is None:
+            return True
+        now = time.monotonic()
+        if now < self._drain_check_at:
+            return True
+        self._drain_check_at = now + DRAIN_POLL_S
+        running = self._running_requests()
+        if running and now < self._drain_deadline:
+            return True
+        if running:
+            log.warning(
+                "drain: %d generation request(s) still running after %.0f s; leaving now cuts them",
+                running,
+                self.config.drain_timeout_s,
+            )
+        else:
+            log.info("drain: this replica runs nothing any more; leaving")
+        self._stopping.set()
+        return False
+
+    def _start_drain(self) -> None:
+        if self.config.worker.task != "generate":
+            log.info("SIGTERM: no generation requests to drain; leaving")
+            self._stopping.set()  # one call at a time: the busy loop is between calls, so it leaves now
+            return
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        self._beat_now = True  # tell the drivers now, not at the next heartbeat
+        self._wake.set()
+        log.info(
+            "SIGTERM: draining (the drivers send this replica nothing new); leaving once it runs nothing, "
+            "at most %.0f s from now",
+            self.config.drain_timeout_s,
+        )
+
+    def _running_requests(self) -> int:
+        """The generation requests this worker's replica still runs: those its engine holds (every rank of a
+        sharded replica schedules the same ones) or this rank streams (0 when the engine cannot say)."""
+        with self._stream_lock:
+            streaming = len(self._stream_links)
+        try:
+            stats = self.wrapper.execute_method("engine_stats", (), {})
+            held = int(stats["requests_running"]) + int(stats["requests_waiting"])
+        except Exception:
+            log.exception("drain: the engine's count of requests is not available; counting none")
+            return 0
+        return max(streaming, held)
 
     def run(self) -> int:
         try:
@@ -927,12 +1001,15 @@ def _write_termination_message(message: str, path: str = wiring.TERMINATION_MESS
 
 
 def _install_signal_handlers(proc: WorkerProc) -> None:
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
+    def on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+        proc.request_drain()  # logged by the busy loop, which starts the drain
+
+    def on_sigint(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: finishing the in-flight call, then leaving", signum)
         proc.request_stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -950,9 +1027,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(wiring.TORCH_WORLD_SIZE, str(config.worker.world_size))
     stop_early = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_early.set())
+    signal.signal(signal.SIGINT, lambda *_: stop_early.set())
     parent = parent_watch.expected_parent()
-    if parent is not None:  # started by a local executor (iwg serve): end with it, as on SIGTERM
-        parent_watch.ParentWatch(parent, on_orphaned=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    if (
+        parent is not None
+    ):  # started by a local executor (iwg serve): end with it, at once (no driver is left)
+        parent_watch.ParentWatch(parent, on_orphaned=lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
         proc = WorkerProc(config)
     except Exception as exc:

@@ -45,6 +45,13 @@ DRIVER_LAME_DUCK: Final = "IWG_DRIVER_LAME_DUCK_S"
 DEFAULT_DRIVER_LAME_DUCK_S: Final = 5.0
 DRIVER_DRAIN_S: Final = 30.0
 
+# A worker told to stop by SIGTERM (an eviction, a deleted pod) drains: its heartbeats say so at once (the
+# drivers send its replica nothing new), and a generation worker serves on until its replica runs nothing, for at
+# most WORKER_DRAIN_S (then what still runs is cut), before its goodbye. Its pod's grace period is that plus
+# WORKER_GRACE_AFTER_DRAIN_S, the time a worker takes to stop after the goodbye (engine shutdown included).
+WORKER_DRAIN_S: Final = 30.0
+WORKER_GRACE_AFTER_DRAIN_S: Final = 20
+
 # Benchmarks only: allow tcp without CURVE ("1"). Never set by the operator.
 INSECURE_TCP: Final = "IWG_INSECURE_TCP"
 

@@ -207,7 +207,8 @@ def worker_pod(
         "restartPolicy": "Always",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
+        # SIGTERM to SIGKILL: the worker's drain (its replica's running generation requests) and its exit.
+        "terminationGracePeriodSeconds": round(wiring.WORKER_DRAIN_S) + wiring.WORKER_GRACE_AFTER_DRAIN_S,
         "securityContext": restricted_pod_security(),
         "containers": [container],
         "volumes": [

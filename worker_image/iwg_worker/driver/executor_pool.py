@@ -83,8 +83,9 @@ class ExecutorPool:
         elif event.kind == "left" and event.rank is not None:
             ranks.discard(event.rank)
         state = self._state(event.replica, self.executor.serving_replicas())
+        draining = event.replica in self.executor.draining_replicas()
         for listener in self._listeners:
-            listener(MembershipEvent(event.replica, state, f"{event.kind}: {event.reason}"))
+            listener(MembershipEvent(event.replica, state, f"{event.kind}: {event.reason}", draining))
 
     # -- batches -----------------------------------------------------------------------------------------------
 

@@ -70,6 +70,7 @@ class MembershipEvent:
     replica: int
     state: ReplicaState
     reason: str = ""
+    draining: bool = False  # a rank of the replica is leaving (its worker got SIGTERM): send it nothing new
 
 
 MembershipListener = Callable[[MembershipEvent], None]

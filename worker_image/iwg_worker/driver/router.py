@@ -18,6 +18,11 @@ this one). With no prefix held anywhere, the replicas are ranked by rendezvous h
 block, so every driver sends a new conversation to the same replica; ties of equal prefixes are broken the
 same way. A replica that dies or is drained leaves the table at once. ``leastLoaded``: the fewest open
 requests, as for batches.
+
+Drains: the operator drains a replica before a rollout or scale-down takes it (`drain`, `undrain`); a worker
+that got SIGTERM (an eviction, a deleted pod) announces its own drain (`MembershipEvent.draining`), and its
+replica gets nothing new from then until it leaves, while what it runs finishes. Either kind of drain takes the
+replica out of `serving`; the worker's own is not ended by `undrain`.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class Router:
         self._states: dict[int, ReplicaState] = dict(pool.states())
         self._inflight: dict[int, int] = {}
         self._elsewhere: dict[int, int] = {}  # requests of other drivers on each replica, as last reported
-        self._draining: set[int] = set()
+        self._draining: set[int] = set()  # drained by the operator (admin API)
+        self._leaving: set[int] = set()  # a worker of the replica announced its own drain (SIGTERM)
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
         self._batch_seconds = 0.05  # running estimate, for Retry-After
@@ -90,7 +96,9 @@ class Router:
 
     def serving(self) -> list[int]:
         return sorted(
-            r for r, s in self._states.items() if s is ReplicaState.SERVING and r not in self._draining
+            r
+            for r, s in self._states.items()
+            if s is ReplicaState.SERVING and r not in self._draining and r not in self._leaving
         )
 
     def snapshot(self) -> list[dict[str, object]]:
@@ -112,13 +120,23 @@ class Router:
 
     def _state_name(self, replica: int) -> str:
         state = self._states.get(replica, ReplicaState.DEAD)
-        if state is ReplicaState.SERVING and replica in self._draining:
+        if state is ReplicaState.SERVING and (replica in self._draining or replica in self._leaving):
             return "draining"
         return state.value
 
     def _on_membership(self, event: MembershipEvent) -> None:
         previous = self._states.get(event.replica)
         self._states[event.replica] = event.state
+        if event.draining and event.replica not in self._leaving:
+            self._leaving.add(event.replica)
+            self.forget_prefixes(event.replica)
+            log.info(
+                "replica %d: draining (its worker is leaving), %d in flight",
+                event.replica,
+                self.inflight(event.replica),
+            )
+        elif not event.draining:
+            self._leaving.discard(event.replica)
         if event.state is ReplicaState.DEAD:
             # A drained replica that left ends its drain: when its index comes back (a scale-up), it serves.
             self._draining.discard(event.replica)

@@ -103,9 +103,10 @@ class Member:
 
 @dataclass(frozen=True, slots=True)
 class MembershipEvent:
-    """``joined``/``left`` for one rank; ``serving``/``lost`` for a whole replica (rank is None)."""
+    """``joined``/``left`` for one rank; ``serving``/``lost`` for a whole replica (rank is None); ``draining``
+    for one rank that announced it is leaving (SIGTERM): its replica takes nothing new (`draining_replicas`)."""
 
-    kind: Literal["joined", "left", "serving", "lost"]
+    kind: Literal["joined", "left", "serving", "lost", "draining"]
     replica: int
     rank: int | None
     reason: str
@@ -268,6 +269,11 @@ class Executor(ABC):
     def serving_replicas(self) -> frozenset[int]:
         """Replicas whose every rank has joined and is alive."""
         return frozenset(range(self.replicas))
+
+    def draining_replicas(self) -> frozenset[int]:
+        """Replicas a rank of which announced that it is leaving (its worker got SIGTERM): they finish what
+        they run, and should be sent nothing new. None by default (executors whose workers never announce)."""
+        return frozenset()
 
     def subscribe(self, callback: MembershipCallback) -> Callable[[], None]:
         """Call ``callback(event)`` on every membership change; returns the unsubscribe function.

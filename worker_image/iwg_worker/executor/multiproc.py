@@ -390,12 +390,13 @@ class MultiprocExecutor(RemoteExecutor):
         return wp
 
     def shutdown(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every worker (each drains and says goodbye), wait up to ``grace_s``, then kill."""
+        """SIGINT every worker (each finishes its in-flight call and says goodbye; no SIGTERM drain: this
+        executor, the one driver of these workers, is going away), wait up to ``grace_s``, then kill."""
         with self._launch_lock:
             self._restarting = False
         for wp in self.processes:
             if wp.process.poll() is None:
-                wp.process.send_signal(signal.SIGTERM)
+                wp.process.send_signal(signal.SIGINT)
         deadline = time.monotonic() + grace_s
         for wp in self.processes:
             try:

@@ -13,7 +13,10 @@ changes and their callbacks stay on that one thread.
 Membership: a worker is a member from its hello (or a heartbeat, so a restarted driver relearns its workers)
 until its goodbye, a failed ping (its connection is gone), or ``heartbeat_interval_s * heartbeat_misses``
 without a heartbeat. A replica serves while all its ranks are members; when one leaves, the replica's
-pending calls fail with `ReplicaLostError` and other replicas keep serving.
+pending calls fail with `ReplicaLostError` and other replicas keep serving. A member whose hello or heartbeat
+says ``capabilities.draining`` (its worker got SIGTERM and finishes what its replica runs before its goodbye)
+makes its replica draining (`draining_replicas`, a ``draining`` event): still a member, still serving what it
+runs, but the driver sends it nothing new.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _MemberState:
     member: Member
     last_seen: float  # monotonic
     reachable: bool  # a ping went through the rpc socket: calls can be routed to it
+    draining: bool = False  # its heartbeat said it is leaving (``capabilities.draining``: SIGTERM)
 
 
 class RemoteExecutor(Executor):
@@ -135,6 +139,10 @@ class RemoteExecutor(Executor):
 
     def serving_replicas(self) -> frozenset[int]:
         return self._serving
+
+    def draining_replicas(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(key[0] for key, state in self._members.items() if state.draining)
 
     def members(self) -> list[Member]:
         with self._lock:
@@ -478,15 +486,32 @@ class RemoteExecutor(Executor):
         state = self._members.get(key)
         if state is not None and state.member.routing_id == hello.routing_id:
             state.last_seen = now
+            self._note_draining(key, state, hello)
             return
         if state is not None:
             self._member_left(hello.replica, hello.rank, f"replaced by pod {hello.pod!r}")
         member = Member(
             hello.replica, hello.rank, hello.pod, hello.routing_id, hello.capabilities, time.time()
         )
+        state = _MemberState(member, now, reachable=False)
         with self._lock:
-            self._members[key] = _MemberState(member, now, reachable=False)
+            self._members[key] = state
+        self._note_draining(key, state, hello)
         self._try_reach(key)
+
+    def _note_draining(self, key: tuple[int, int], state: _MemberState, hello: protocol.Hello) -> None:
+        """A member's first hello or heartbeat that says it drains (a worker leaving after SIGTERM) makes its
+        replica draining; it stays so until the member leaves (I/O thread)."""
+        if state.draining or hello.capabilities.get("draining") is not True:
+            return
+        with self._lock:
+            state.draining = True
+            serving = self._serving
+        log.info(
+            "replica %d rank %d (pod %s) is draining: its replica gets nothing new, finishes what it runs",
+            key[0], key[1], hello.pod,
+        )  # fmt: skip
+        self._publish([MembershipEvent("draining", key[0], key[1], f"pod {hello.pod} draining", serving)])
 
     def _try_reach(self, key: tuple[int, int]) -> None:
         state = self._members.get(key)
