@@ -160,8 +160,11 @@ async def test_a_rank_killed_before_the_first_token_is_retried_on_the_other_repl
     assert resp.status == 200, body
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
     assert body["choices"][0]["finish_reason"] == "length"
-    # The engine's error, not the executor's loss of the replica, was the failure retried.
-    assert retries(driver) == {"engine_failed": 1.0}
+    # Retried once, for whichever the driver learnt first: the surviving rank's engine error (its collective
+    # with the killed rank failed) or the executor's loss of the replica (the killed rank's link went; first
+    # when the machine is loaded and rank 0's collective is slow to time out).
+    retried = retries(driver)
+    assert sum(retried.values()) == 1.0 and set(retried) <= {"engine_failed", "replica_lost"}, retried
     # The same answer as replica 1 gives on its own (greedy).
     again = await http.post("/v1/completions", json=LONG)
     assert (await again.json())["choices"][0]["text"] == body["choices"][0]["text"]
