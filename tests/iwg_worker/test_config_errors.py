@@ -22,6 +22,8 @@ BASE_ENV = {wiring.RPC_ENDPOINT: "ipc:///tmp/iwg-x/rpc", wiring.RESPONSE_ENDPOIN
         ({**BASE_ENV, wiring.RPC_ENDPOINT: "tcp://driver:5555"}, wiring.CURVE_DIR),
         ({**BASE_ENV, wiring.REPLICA: "one"}, wiring.REPLICA),
         ({**BASE_ENV, wiring.HEARTBEAT_INTERVAL: "fast"}, wiring.HEARTBEAT_INTERVAL),
+        ({**BASE_ENV, wiring.SEND_QUEUE: "0"}, wiring.SEND_QUEUE),
+        ({**BASE_ENV, wiring.SEND_QUEUE: "many"}, wiring.SEND_QUEUE),
         ({**BASE_ENV, wiring.MODEL_TASK: "classify"}, "task"),
         ({**BASE_ENV, wiring.MODEL_TASK: "embed"}, "model_path"),
         ({**BASE_ENV, wiring.RANK: "2", wiring.WORLD_SIZE: "2"}, "rank"),

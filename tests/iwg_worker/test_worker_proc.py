@@ -41,16 +41,17 @@ def health_port(worker_log: Path) -> int:
 
 # -- an unreachable second driver ------------------------------------------------------------------------
 
-# ZMQ queues 1000 messages for a peer that never connects; each heartbeat is one. 1300 heartbeats are the 20
-# minutes of a crash-looping second driver pod at the default 1 s. At 0.15 s a heartbeat's timeout (0.45 s)
-# still leaves room for a busy machine's scheduling delays. The healthy driver is used until ZMQ's queue for the
-# dead one is full (the worker's first drop, near heartbeat 1000) and for AFTER_DROPS_S more: a send that
-# waited for room would stop the heartbeats to the healthy driver within a heartbeat's timeout. The drops must
-# begin within twice the time of 1300 heartbeats (a busy machine's beats come late), and the worker never holds
-# a message back for the dead driver (its backlog stays empty).
+# ZMQ queues IWG_SEND_QUEUE messages (1000 by default: 17 minutes of heartbeats at the default 1 s) for a peer
+# that never connects; each heartbeat is one. The worker here queues ZMQ_QUEUE (the same path, reached in 15 s
+# instead of 150 s). At 0.15 s a heartbeat's timeout (0.45 s) still leaves room for a busy machine's scheduling
+# delays. The healthy driver is used until ZMQ's queue for the dead one is full (the worker's first drop, near
+# heartbeat ZMQ_QUEUE) and for AFTER_DROPS_S more: a send that waited for room would stop the heartbeats to the
+# healthy driver within a heartbeat's timeout. The drops must begin within twice the time of BEATS heartbeats (a
+# busy machine's beats come late), and the worker never holds a message back for the dead driver (its backlog
+# stays empty).
 HEARTBEAT_S = 0.15
-BEATS = 1300
-ZMQ_QUEUE = 1000
+ZMQ_QUEUE = 100
+BEATS = 130
 AFTER_DROPS_S = 5.0
 
 
@@ -63,7 +64,7 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
     dead_rpc = wired.driver_envs[1][wiring.RPC_ENDPOINT]
     driver, driver_log = wired.start_driver(0)  # driver 1 never starts
     worker_log = tmp_path / "worker.log"
-    worker = launch_worker(wired.worker_envs[0], worker_log)
+    worker = launch_worker({**wired.worker_envs[0], wiring.SEND_QUEUE: str(ZMQ_QUEUE)}, worker_log)
     try:
         wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
         port = health_port(worker_log)

@@ -103,6 +103,7 @@ class WorkerProcConfig:
     ring_spin_s: float = shm_ring.DEFAULT_SPIN_S
     reply_pipe: str = ""  # a MultiprocExecutor's FIFO for small replies
     drain_timeout_s: float = wiring.WORKER_DRAIN_S  # after SIGTERM, the longest a generation worker drains
+    send_queue: int = wiring.DEFAULT_SEND_QUEUE  # ZMQ's send high-water mark of each link's sockets
 
     def __post_init__(self) -> None:
         rpc, response = self.rpc_endpoint.split(","), self.response_endpoint.split(",")
@@ -120,6 +121,8 @@ class WorkerProcConfig:
                 raise ValueError(f"{name} is tcp but {wiring.CURVE_DIR} is not set: tcp needs CURVE")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"{wiring.HEARTBEAT_INTERVAL} must be > 0, got {self.heartbeat_interval_s}")
+        if self.send_queue < 1:
+            raise ValueError(f"{wiring.SEND_QUEUE} must be >= 1, got {self.send_queue}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> WorkerProcConfig:
@@ -191,6 +194,7 @@ class WorkerProcConfig:
             ring_wake=env.get(shm_ring.ENV_WAKE, ""),
             ring_spin_s=integer(shm_ring.ENV_SPIN_US, round(shm_ring.DEFAULT_SPIN_S * 1e6)) / 1e6,
             reply_pipe=env.get(reply_pipe.ENV_PATH, ""),
+            send_queue=integer(wiring.SEND_QUEUE, wiring.DEFAULT_SEND_QUEUE),
         )
 
 
@@ -687,6 +691,7 @@ class WorkerProc:
         response = self._context.socket(zmq.PUSH)
         for sock, endpoint in zip((rpc, response), endpoints, strict=True):
             sock.linger = 2000
+            sock.sndhwm = self.config.send_queue
             if endpoint.startswith("tcp://["):
                 sock.ipv6 = True
             if self._keys is not None and endpoint.startswith("tcp://"):

@@ -52,6 +52,12 @@ DRIVER_DRAIN_S: Final = 30.0
 WORKER_DRAIN_S: Final = 30.0
 WORKER_GRACE_AFTER_DRAIN_S: Final = 20
 
+# How many messages a worker's ZMQ socket to one driver queues before a send finds no room (ZMQ's send high-water
+# mark; past it the worker's own backlog, MAX_BACKLOG in worker_proc.py, then drops for a driver that is lost).
+# The operator leaves it at ZMQ's default.
+SEND_QUEUE: Final = "IWG_SEND_QUEUE"
+DEFAULT_SEND_QUEUE: Final = 1000
+
 # Benchmarks only: allow tcp without CURVE ("1"). Never set by the operator.
 INSECURE_TCP: Final = "IWG_INSECURE_TCP"
 
