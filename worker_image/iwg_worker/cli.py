@@ -121,29 +121,21 @@ def serve(args: argparse.Namespace) -> int:
     # A signal during the (long) worker start-up unwinds through MultiprocExecutor, which stops its workers;
     # one after it, through the executor's shutdown below. While HTTP serves, the driver's loop takes them.
     previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
-    if replicas == 0:  # the driver alone; it starts the workers of one replica on the first request
-        try:
-            asyncio.run(_serve_http(group, None, 0, token, args))
-        except _Stop as stop:
-            print(f"iwg serve: stopped by {stop}", file=sys.stderr)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        print("iwg serve: stopped", file=sys.stderr)
-        return 0
+    executor = None  # with 0 replicas the driver alone: it starts one replica's workers on the first request
     try:
-        try:
-            executor = _start_workers(group, str(model_path), replicas, args)
-        except _Stop as stop:
-            print(f"iwg serve: stopped by {stop} during start-up", file=sys.stderr)
-            return 130
-        except (RuntimeError, TimeoutError, ValueError) as exc:
-            print(f"iwg serve: the workers did not start: {exc}", file=sys.stderr)
-            return 1
+        if replicas > 0:
+            try:
+                executor = _start_workers(group, str(model_path), replicas, args)
+            except _Stop as stop:
+                print(f"iwg serve: stopped by {stop} during start-up", file=sys.stderr)
+                return 130
+            except (RuntimeError, TimeoutError, ValueError) as exc:
+                print(f"iwg serve: the workers did not start: {exc}", file=sys.stderr)
+                return 1
         try:
             engine = (
                 _engine_words(executor, replicas, group.spec.model.engine)
-                if group.spec.model.task == "generate"
+                if executor is not None and group.spec.model.task == "generate"
                 else None
             )
             asyncio.run(_serve_http(group, executor, replicas, token, args, engine))
@@ -153,7 +145,8 @@ def serve(args: argparse.Namespace) -> int:
             # Ignore further signals until the workers are stopped and the ring and directory removed.
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-            executor.shutdown()
+            if executor is not None:
+                executor.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1034,9 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_early.set())
     signal.signal(signal.SIGINT, lambda *_: stop_early.set())
     parent = parent_watch.expected_parent()
-    if (
-        parent is not None
-    ):  # started by a local executor (iwg serve): end with it, at once (no driver is left)
+    # Started by a local executor (iwg serve): end with it, at once (no driver is left to drain to).
+    if parent is not None:
         parent_watch.ParentWatch(parent, on_orphaned=lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
         proc = WorkerProc(config)

@@ -146,7 +146,8 @@ class LocalScaler:
         if await self.driver.activation.watch(30.0) == 0:
             self._decide(0)  # keeps the idle clock's memory of the driver's counters current
             return
-        if not self._decide(0):
+        if not self._decide(0):  # held, but no replica wanted (yet): `watch` would answer at once again
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
             return
         log.info("a request is held with no replica: starting one")
         started = time.monotonic()
