@@ -189,9 +189,19 @@ def test_children_deleted_or_edited_by_hand_come_back_and_nothing_else_is_rewrit
 
     def whole_again() -> bool:
         # The status the repairs end in: the new worker pod ready (on a loaded machine kwok marks it Ready
-        # later than 2 s after, and that status write is not a loop).
+        # later than 2 s after, and that status write is not a loop), and the recreated Deployment's driver pod
+        # the only one, reported in DriverAvailable (the old ReplicaSet's pod is collected and the new one made
+        # by the controller manager, at its own pace: each changes the condition's message once).
         status = groups.get(name).get("status") or {}
-        return status.get("readyReplicas") == 1 and status.get("phase") == "Running"
+        if status.get("readyReplicas") != 1 or status.get("phase") != "Running":
+            return False
+        drivers = children.core.list_namespaced_pod(
+            ns, label_selector=f"app.kubernetes.io/component=driver,inference.iwg.dev/group={name}"
+        ).items
+        if len(drivers) != 1 or drivers[0].metadata.deletion_timestamp is not None:
+            return False
+        driver = {c["type"]: c for c in status.get("conditions") or []}.get("DriverAvailable") or {}
+        return driver.get("status") == "True" or drivers[0].metadata.name in str(driver.get("message"))
 
     eventually(whole_again, what="the group's status whole again")
     time.sleep(2)
