@@ -241,6 +241,10 @@ class Supervisor:
             except Exception as error:
                 return ScaleDecision(None, "DrainFailed", f"holding at {current}: drain failed: {error}")
         await self.controller.kube.scale(GROUPS, group.namespace, group.name, desired)
+        if desired < current and drivers:
+            # The reconciler's record: it does not drain them again, and undrains them when a scale-up keeps
+            # their pods after all (the driver would otherwise hold their index drained until the pods went).
+            state.drained.update(range(desired, current))
         counters = {
             "scaleCount": int((state.current_status or {}).get("scaleCount") or 0) + 1,
             "lastScaleTime": now_rfc3339(),

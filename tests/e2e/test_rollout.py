@@ -120,6 +120,7 @@ def test_new_images_under_load_lose_no_request(
     # Every Event of the group in order, for the message of a failure below.
     found = core.list_namespaced_event(workspace, field_selector=f"involvedObject.name={name}").items
     said = [f"{e.reason}: {e.message}" for e in sorted(found, key=lambda e: e.metadata.creation_timestamp)]
+    print("\n".join(["the group's Events:", *said]), file=sys.__stderr__)  # whole, where pytest cuts lists
     for phase in phases:
         assert phase["answered"] >= 20, phases
         # Both drivers (old and surge) read, and no batch cut by a replica going away.

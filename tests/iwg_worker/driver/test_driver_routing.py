@@ -6,13 +6,17 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from iwg_worker.driver.app import build_app
+from iwg_worker.driver.executor_pool import ExecutorPool
+from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.pool import ReplicaState
+from iwg_worker.driver.router import Router
 from iwg_worker.driver.service import Driver, DriverConfig
+from iwg_worker.executor.base import MembershipEvent as ExecutorEvent
 
 from tests.iwg_worker.driver.fakes import FakePool
 
@@ -222,6 +226,42 @@ async def test_drain_stops_new_batches_and_waits_for_inflight() -> None:
         resp = await client.post("/admin/replicas/0/undrain", headers=auth)
         assert resp.status == 200
         assert driver.router.serving() == [0, 1]
+
+
+class SwappingExecutor:
+    """Just enough of an executor for ExecutorPool: replica 0 serves, and its events are published by hand."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.serving: frozenset[int] = frozenset({0})
+        self.callback: Callable[[ExecutorEvent], None] | None = None
+
+    def subscribe(self, callback: Callable[[ExecutorEvent], None]) -> Callable[[], None]:
+        self.callback = callback
+        return lambda: None
+
+    def serving_replicas(self) -> frozenset[int]:
+        return self.serving
+
+    def draining_replicas(self) -> frozenset[int]:
+        return frozenset()
+
+
+async def test_a_drained_replica_whose_pod_is_replaced_before_the_loop_looks_serves_again() -> None:
+    # The operator drained replica 0 to scale to zero, then a held request scaled it back up: the old pod left
+    # and the new one joined on the executor's I/O thread before the event loop ran either event. The router
+    # must still see the replica lost (so the drain of the pod that went ends) and then serving.
+    executor = SwappingExecutor()
+    router = Router(ExecutorPool(cast(Any, executor)), DriverMetrics())
+    assert await router.drain(0, timeout=1) and router.serving() == []
+    assert executor.callback is not None
+    executor.callback(ExecutorEvent("left", 0, 0, "goodbye", frozenset()))
+    executor.callback(ExecutorEvent("lost", 0, None, "rank 0 left", frozenset()))
+    executor.callback(ExecutorEvent("joined", 0, 0, "pod new", frozenset()))
+    executor.callback(ExecutorEvent("serving", 0, None, "all ranks joined", frozenset({0})))
+    await asyncio.sleep(0.05)  # the events, in order, on the loop: the executor serves replica 0 all along
+    assert router.serving() == [0]
 
 
 async def test_adjust_batch_params_applies_to_the_drivers_batcher() -> None:

@@ -82,7 +82,9 @@ class ExecutorPool:
             ranks.add(event.rank)
         elif event.kind == "left" and event.rank is not None:
             ranks.discard(event.rank)
-        state = self._state(event.replica, self.executor.serving_replicas())
+        # The serving set as of this event, not as of now: a replica lost and back before the loop ran this
+        # still reads DEAD then SERVING, so the router ends an admin drain of the pod that went.
+        state = self._state(event.replica, event.serving)
         draining = event.replica in self.executor.draining_replicas()
         for listener in self._listeners:
             listener(MembershipEvent(event.replica, state, f"{event.kind}: {event.reason}", draining))
