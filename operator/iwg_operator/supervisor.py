@@ -241,7 +241,7 @@ class Supervisor:
             except Exception as error:
                 return ScaleDecision(None, "DrainFailed", f"holding at {current}: drain failed: {error}")
         await self.controller.kube.scale(GROUPS, group.namespace, group.name, desired)
-        if desired < current and drivers:
+        if desired < current:
             # The reconciler's record: it does not drain them again, and undrains them when a scale-up keeps
             # their pods after all (the driver would otherwise hold their index drained until the pods went).
             state.drained.update(range(desired, current))

@@ -6,6 +6,7 @@ real Supervisor over a stand-in for the controller and the API."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -20,16 +21,17 @@ from iwg_operator.autoscaling import activation
 from iwg_operator.autoscaling.activation import ActivationWatch
 from iwg_operator.autoscaling.policy import DriverSample, combine_samples, parse_driver_metrics
 from iwg_operator.controller import Controller, GroupState, group_from_body
-from iwg_operator.driver_admin import DriverPod
-from iwg_operator.kube import PODS, Resource
+from iwg_operator.driver_admin import ADMIN_TOKEN_KEY, DriverPod
+from iwg_operator.kube import PODS, SECRETS, Resource
 from iwg_operator.pod_http import session
 from iwg_operator.supervisor import Supervisor, latest_activation
 from iwg_worker.driver.activation import MAX_WATCHERS
 from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.pool import ReplicaState
 
+from tests.iwg_worker.driver.fakes import FakePool
 from tests.iwg_worker.driver.test_driver_activation import at_zero, until
-from tests.iwg_worker.driver.test_driver_routing import embed, metric, serve
+from tests.iwg_worker.driver.test_driver_routing import TOKEN, embed, metric, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,6 +51,10 @@ class Kube:
         self, resource: Resource, namespace: str, label_selector: str, field_selector: str | None = None
     ) -> list[dict[str, Any]]:
         return list(self.drivers) if resource is PODS else []
+
+    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        token = base64.b64encode(TOKEN.encode()).decode()  # the group's Secret, for the drain's admin token
+        return {"data": {ADMIN_TOKEN_KEY: token}} if resource is SECRETS else None
 
     async def scale(self, resource: Resource, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         self.scaled.append((time.monotonic(), replicas))
@@ -243,3 +249,20 @@ async def test_a_driver_that_answers_without_waiting_is_not_asked_in_a_busy_loop
         await asyncio.sleep(0.5)
         await watch.close()
     assert 1 <= asked <= 4, asked
+
+
+async def test_replicas_the_autoscaler_drains_for_a_scale_to_zero_are_the_reconcilers_to_undrain() -> None:
+    # The reconciler undrains the drained replicas a plan keeps (a scale-up that came before their pods went):
+    # it must know of the autoscaler's drains too, or a held request finds the kept pod drained for good.
+    async with serve(FakePool(replicas=1), activation_timeout_s=30.0) as (client, driver):
+        assert client.server.port is not None
+        async with supervised(client.server.port, period_s=0.2) as (groups, _):
+            (state,) = groups.groups.values()
+            await groups.kube.scale(PODS, "ns", "g", 1)
+            state.body["spec"]["autoscaling"].update(
+                scaleToZeroAfterSeconds=1, scaleDownStabilizationSeconds=0
+            )
+            state.group = group_from_body(state.body)
+            await asyncio.wait_for(until(lambda: groups.kube.scaled[-1][1] == 0), 10)
+            assert driver.router.serving() == []  # drained in the driver before replicas went to 0
+            assert state.drained == {0}
