@@ -111,6 +111,9 @@ def test_shm_probes_and_restricted_security() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["periodSeconds"] == 7
+    # A liveness kill skips the drain grace of the pod: the worker it restarts is hung.
+    assert container["livenessProbe"]["terminationGracePeriodSeconds"] == 5
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 5
     security = container["securityContext"]
     assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True

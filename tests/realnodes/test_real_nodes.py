@@ -160,15 +160,26 @@ def test_the_kubelet_runs_the_liveness_probe_the_operator_wrote(
         status = core.read_namespaced_pod(name, cluster.namespace).status.container_statuses[0]
         return bool(status.restart_count > restarts)
 
+    probe = pod.spec.containers[0].liveness_probe
     os.killpg(cluster.operator.pid, signal.SIGSTOP)
     try:
         os.kill(pid, signal.SIGSTOP)
-        # (failureThreshold + 2) periods of 5 s, then the 30 s grace a stopped process does not use.
+        stopped = time.monotonic()
+        # failureThreshold periods, then the probe's own short grace (a stopped process does not drain).
         eventually(restarted, 150, f"the kubelet restarting {name}", interval=1.0)
+        took = time.monotonic() - stopped
     except AssertionError as error:
         raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
     finally:
         os.killpg(cluster.operator.pid, signal.SIGCONT)
+    # With the pod's drain grace the kill would come at least this late after the stop.
+    with_pod_grace = (
+        probe.failure_threshold - 1
+    ) * probe.period_seconds + pod.spec.termination_grace_period_seconds
+    print(
+        f"liveness: restarted {took:.1f} s after the stop (the pod's grace would take >= {with_pod_grace} s)"
+    )
+    assert took < with_pod_grace, (took, with_pod_grace)
     events = core.list_namespaced_event(cluster.namespace, field_selector=f"involvedObject.name={name}").items
     unhealthy = [e.message for e in events if e.reason == "Unhealthy" and "Liveness" in e.message]
     assert unhealthy and all("/healthz" in message for message in unhealthy), [e.message for e in events]

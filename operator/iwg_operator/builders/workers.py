@@ -39,6 +39,10 @@ HEALTH_PORT_NAME = "health"
 # Model loading can take minutes; the startup probe holds liveness off until the worker first answers.
 STARTUP_PROBE_BUDGET_SECONDS = 900
 LIVENESS_LAG_PERIODS = 2
+# A worker the kubelet restarts for liveness has answered no health check for failureThreshold + 2 periods: it
+# drains nothing, so it gets this long after SIGTERM (the probe's own terminationGracePeriodSeconds) instead of
+# the pod's drain grace, and a hung worker is back in seconds, not after the drain's 50.
+LIVENESS_KILL_GRACE_SECONDS = 5
 
 
 def revision(group: Group, settings: BuildSettings) -> str:
@@ -183,6 +187,7 @@ def worker_pod(
             # Two periods behind the operator's prober, which replaces the pod (or its replica) at
             # failureThreshold; an in-place restart by the kubelet is the fallback while no operator runs.
             "failureThreshold": health.failure_threshold + LIVENESS_LAG_PERIODS,
+            "terminationGracePeriodSeconds": LIVENESS_KILL_GRACE_SECONDS,
         },
         "readinessProbe": {
             "httpGet": {**http_get, "path": "/readyz"},
