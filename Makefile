@@ -42,7 +42,7 @@ lint: setup
 	$(BIN)/mypy --strict operator/iwg_operator worker_image/iwg_worker
 
 test: lint cluster-bins node-deps
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m tests.lanes $(PYTEST_ARGS)
 
 # Without the control plane (unit and runtime tests only), for quick iterations.
 test-fast: setup
