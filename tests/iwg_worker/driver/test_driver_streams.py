@@ -164,7 +164,11 @@ async def test_dropped_streams_are_cancelled_on_the_worker_and_free_their_cache(
         while (await metric(session, url, "iwg_requests_running")) > 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         assert await metric(session, url, "iwg_requests_running") <= 4
-        left = await metric(session, url, "iwg_kv_cache_usage")
+        # The cache gauge comes with the engine's next stats (a step later than the count on a busy machine).
+        while (
+            left := await metric(session, url, "iwg_kv_cache_usage")
+        ) >= busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
         assert left < busy, f"KV cache usage {busy} with 8 requests, {left} after 4 were dropped"
         results = await asyncio.gather(*keep)
         assert [r["finish"] for r in results] == ["length"] * 4
