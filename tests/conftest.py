@@ -1,5 +1,9 @@
-"""Shared test configuration: the real control-plane fixtures (see tests/cluster/fixtures.py)."""
+"""Shared test configuration: the real control-plane fixtures (see tests/cluster/fixtures.py) and the lanes
+`make test` runs side by side (tests/lanes.py)."""
 
+import pytest
+
+from tests import lanes
 from tests.cluster.fixtures import (
     control_plane,
     controller_manager,
@@ -27,3 +31,7 @@ __all__ = [
     "pytest_terminal_summary",
     "scheduler",
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lanes.select(config, items)

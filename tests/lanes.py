@@ -1,15 +1,19 @@
-"""`make test`: the suite as two pytest processes side by side, so the cluster tests' waits overlap the worker tests'.
+"""`make test`: the suite as four pytest processes side by side, so the cluster tests' waits overlap the
+worker tests' computing.
 
 The tests marked ``cluster`` (control plane, node agent, real kubelets, e2e groups) mostly wait: health periods,
 drain windows, autoscaler windows, node controllers. The others (workers, engines, drivers, real models) mostly
-compute. One after the other, the machine's cores were busy less than half of the suite's time; side by side,
-each lane's waits are the other's compute time. Nothing is shared between the lanes: the control planes, node
-agents and network namespaces are all in the cluster lane, and every test takes its ports from the kernel.
+compute. One after the other, the machine's two cores were busy 44% of the suite's time. The lanes: ``e2e``
+(tests/e2e), ``cluster`` (the other cluster tests), ``engine`` (tests/iwg_worker/driver and engine: the real
+models, vLLM included) and ``worker`` (the rest). Each lane is its own pytest process and starts what it uses:
+its own control plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and
+bridges); the real-kubelet cluster has its fixed fabric in namespaces of its own and is in one lane only.
 
 Each lane's lines are printed as they come, prefixed with the lane's name, and kept whole in
-``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end. The exit status is the first failing lane's
-(pytest's own codes), 0 when both pass. Arguments are passed to both lanes (``make test PYTEST_ARGS=...``); a lane
-whose selection is empty (pytest's code 5) counts as passed unless both are.
+``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end. The exit status is the first failing
+lane's (pytest's own codes), 0 when all pass. Arguments go to every lane (``make test PYTEST_ARGS=...``: paths,
+``-k``, ``--durations``); the lane's selection applies at collection (``IWG_TEST_LANE``, tests/conftest.py), and
+a lane whose selection is empty (pytest's code 5) counts as passed unless all are.
 """
 
 from __future__ import annotations
@@ -24,12 +28,41 @@ import time
 from pathlib import Path
 from typing import IO
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-LANES: dict[str, list[str]] = {
-    "cluster": ["-m", "cluster"],
-    "worker": ["-m", "not cluster"],
-}
+LANES = ("e2e", "cluster", "engine", "worker")
+LANE_ENV = "IWG_TEST_LANE"
 NO_TESTS_COLLECTED = 5
+ENGINE_DIRS = ("driver", "engine")
+
+
+def lane_of(path: Path, cluster: bool) -> str:
+    """The lane of a test file: e2e groups, the other cluster tests, the engine and driver tests, the rest."""
+    parts = path.resolve().relative_to(ROOT).parts
+    if cluster:
+        return "e2e" if parts[1:2] == ("e2e",) else "cluster"
+    if parts[1:2] == ("iwg_worker",) and parts[2:3] and parts[2] in ENGINE_DIRS:
+        return "engine"
+    return "worker"
+
+
+def select(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the items of other lanes when this process runs one lane (tests/conftest.py calls it)."""
+    lane = os.environ.get(LANE_ENV)
+    if not lane:
+        return
+    if lane not in LANES:
+        raise pytest.UsageError(f"{LANE_ENV}={lane!r}: expected one of {', '.join(LANES)}")
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        (keep if lane_of(item.path, item.get_closest_marker("cluster") is not None) == lane else drop).append(
+            item
+        )
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _pump(name: str, source: IO[bytes], log_path: Path, lock: threading.Lock) -> None:
@@ -58,13 +91,13 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     pumps: list[threading.Thread] = []
-    for name, selection in LANES.items():
+    for name in LANES:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-ra", *selection, *argv],
+            [sys.executable, "-m", "pytest", "-q", "-ra", *argv],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: name},
             start_new_session=True,  # an interrupt reaches it through us, once
         )
         assert proc.stdout is not None
