@@ -1,13 +1,15 @@
-"""`make test`: the suite as four pytest processes side by side, so the cluster tests' waits overlap the
+"""`make test`: the suite as seven pytest processes side by side, so the cluster tests' waits overlap the
 worker tests' computing.
 
 The tests marked ``cluster`` (control plane, node agent, real kubelets, e2e groups) mostly wait: health periods,
 drain windows, autoscaler windows, node controllers. The others (workers, engines, drivers, real models) mostly
-compute. One after the other, the machine's two cores were busy 44% of the suite's time. The lanes: ``e2e``
-(tests/e2e), ``cluster`` (the other cluster tests), ``engine`` (tests/iwg_worker/driver and engine: the real
-models, vLLM included) and ``worker`` (the rest). Each lane is its own pytest process and starts what it uses:
-its own control plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and
-bridges); the real-kubelet cluster has its fixed fabric in namespaces of its own and is in one lane only.
+compute. One after the other, the machine's two cores were busy 44% of the suite's time. The lanes (RULES):
+the e2e groups in two, the real-kubelet cluster, the other cluster tests, the driver's stream tests, the other
+engine and driver tests, the rest. Each lane is its own pytest process and starts what it uses: its own control
+plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and bridges); the
+real-kubelet cluster has its fixed fabric in namespaces of its own and is in one lane only. Lanes run with
+OMP_NUM_THREADS=1 unless it is set: seven processes on two cores gain nothing from more threads each, and
+OpenMP threads spinning on a shared core cost CPU the others need.
 
 Each lane's lines are printed as they come, prefixed with the lane's name, and kept whole in
 ``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end. The exit status is the first failing
@@ -31,20 +33,34 @@ from typing import IO
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LANES = ("e2e", "cluster", "engine", "worker")
 LANE_ENV = "IWG_TEST_LANE"
 NO_TESTS_COLLECTED = 5
-ENGINE_DIRS = ("driver", "engine")
+# (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first lane of
+# its kind whose paths hold it. Balanced on the durations of a run of the suite in lanes (docs/development.md).
+RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
+    (
+        "e2e-1",
+        True,
+        ("e2e/test_vllm_engine.py", "e2e/test_selfheal.py", "e2e/test_autoscaling.py", "e2e/test_serving.py"),
+    ),
+    ("e2e-2", True, ("e2e/",)),
+    ("realnodes", True, ("realnodes/",)),
+    ("cluster", True, ("",)),
+    ("streams", False, ("iwg_worker/driver/test_driver_streams.py",)),
+    ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),
+    ("worker", False, ("",)),
+)
+LANES = tuple(lane for lane, _cluster, _paths in RULES)
 
 
 def lane_of(path: Path, cluster: bool) -> str:
-    """The lane of a test file: e2e groups, the other cluster tests, the engine and driver tests, the rest."""
-    parts = path.resolve().relative_to(ROOT).parts
-    if cluster:
-        return "e2e" if parts[1:2] == ("e2e",) else "cluster"
-    if parts[1:2] == ("iwg_worker",) and parts[2:3] and parts[2] in ENGINE_DIRS:
-        return "engine"
-    return "worker"
+    """The lane of a test file (``cluster``: its tests are cluster-marked)."""
+    relative = path.resolve().relative_to(ROOT / "tests").as_posix()
+    return next(
+        lane
+        for lane, of_cluster, paths in RULES
+        if of_cluster == cluster and any(relative.startswith(p) for p in paths)
+    )
 
 
 def select(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -97,7 +113,7 @@ def main(argv: list[str]) -> int:
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: name},
+            env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: name},
             start_new_session=True,  # an interrupt reaches it through us, once
         )
         assert proc.stdout is not None
