@@ -4,14 +4,12 @@ worker tests' computing.
 The tests marked ``cluster`` (control plane, node agent, real kubelets, e2e groups) mostly wait: health
 periods, drain windows, autoscaler windows, node controllers. The others (workers, engines, drivers, real
 models) mostly compute. One after the other, the machine's two cores were busy 44% of the suite's time. The
-lanes (RULES): the e2e groups, the other cluster tests (real kubelets included), the engine and driver tests,
-the rest with the driver's stream tests. Seven lanes were tried and were slower, with four timing failures
-(load 16 on two cores: heartbeats of 0.15 s missed, drains outlasting their windows). Each lane is its own
-pytest process and starts what it uses: its own control plane on ports from the kernel, its own node agent (a
-random free /24, its own namespaces and bridges); the real-kubelet cluster has its fixed fabric in namespaces
-of its own and is in one lane only. Lanes run with OMP_NUM_THREADS=1 unless it is set: four processes on two
-cores gain nothing from more threads each, and OpenMP threads spinning on a shared core cost CPU the others
-need.
+lanes (RULES): the e2e groups, the other cluster tests (real kubelets included), the engine and driver tests
+(real models, vLLM included), the rest. Each lane is its own pytest process and starts what it uses: its own
+control plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and
+bridges); the real-kubelet cluster has its fixed fabric in namespaces of its own and is in one lane only.
+Other splits were slower here: seven lanes (load 16 on two cores, and four timing failures), and four with
+the driver's stream tests moved to the worker lane and OMP_NUM_THREADS=1 in each.
 
 Each lane's lines are printed as they come, prefixed with the lane's name, and kept whole in
 ``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end. The exit status is the first failing
@@ -38,12 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LANE_ENV = "IWG_TEST_LANE"
 NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
-# its kind whose paths hold it. Balanced on the durations of runs in lanes (docs/development.md): the driver's
-# stream tests (11 of the engine lane's 22 minutes) join the worker lane (done after 8 of the suite's 22).
+# its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("e2e", True, ("e2e/",)),
     ("cluster", True, ("",)),
-    ("worker", False, ("iwg_worker/driver/test_driver_streams.py",)),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),
     ("worker", False, ("",)),
 )
@@ -110,7 +106,7 @@ def main(argv: list[str]) -> int:
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: name},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: name},
             start_new_session=True,  # an interrupt reaches it through us, once
         )
         assert proc.stdout is not None
