@@ -40,7 +40,7 @@ from iwg_operator.builders.common import (
     stable_hash,
 )
 from iwg_operator.builders.workers import name_group_fields
-from iwg_operator.driver_admin import DrainError, NoReadyDriver, drain_group_replicas
+from iwg_operator.driver_admin import DrainError, NoRunningDriver, drain_group_replicas
 from iwg_operator.health.policy import avoid_nodes, current_avoided
 from iwg_operator.kube import (
     CONFIG_MAPS,
@@ -697,7 +697,7 @@ class Controller:
 
     async def _drain_leaving(self, state: GroupState, group: builders.Group, plan: planning.PodPlan) -> bool:
         """Before a scale-down deletes pods (whoever lowered spec.replicas, or a rollout's surge ending) and
-        before a rollout replaces a serving replica, every ready driver stops sending batches to those replicas
+        before a rollout replaces a replica, every driver that runs stops sending batches to those replicas
         and finishes the ones in flight, for at most rollout.drainTimeoutSeconds. Returns False when the group's
         spec changed meanwhile (the plan is stale; the rolled replicas serve again until it is made anew)."""
         leaving = [r for r in plan.scale_down if r not in state.drained]
@@ -723,7 +723,7 @@ class Controller:
                 f"drained replicas {_ranges(draining)} in {where} in {seconds:.1f}s",
                 once=False,
             )
-        except NoReadyDriver:
+        except NoRunningDriver:
             pass  # no driver routes anything to them
         except (DrainError, ApiError, aiohttp.ClientError, TimeoutError) as error:
             await self._event(
@@ -758,7 +758,7 @@ class Controller:
                 10,
                 undrain=True,
             )
-        except NoReadyDriver:
+        except NoRunningDriver:
             pass  # a new driver starts with nothing drained
         except (DrainError, ApiError, aiohttp.ClientError, TimeoutError) as error:
             log.warning("%s/%s: replicas %s not undrained: %s", *state.key, _ranges(kept), error)

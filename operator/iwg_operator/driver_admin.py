@@ -3,7 +3,7 @@
 Before the pods of a leaving replica are deleted, every driver stops sending it batches and waits for the ones
 in flight (`POST /admin/replicas/<r>/drain`), so that a scale-down (the autoscaler, `kubectl scale`, an HPA)
 cuts no request. Each driver routes its own requests (`spec.driver.replicas` > 1 runs several), so the drain
-goes to every ready driver, all at once. The reconciler drains every replica a lower spec.replicas removes, the
+goes to every driver that runs (ready or not, terminating or not), all at once. The reconciler drains every replica a lower spec.replicas removes, the
 autoscaler before it lowers spec.replicas; a replica whose index is kept after all is undrained.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -30,13 +31,13 @@ class DrainError(Exception):
     """A driver could not be asked, or refused: the replicas may still have batches in flight there."""
 
 
-class NoReadyDriver(DrainError):
-    """No driver is ready: nothing is routed to any replica, so nothing is in flight to drain."""
+class NoRunningDriver(DrainError):
+    """No driver process runs: nothing is routed to any replica, so nothing is in flight to drain."""
 
 
 @dataclass(frozen=True)
 class DriverPod:
-    """A ready driver pod: its name, IP, and how often its container restarted (a restarted driver process
+    """A driver pod: its name, IP, and how often its container restarted (a restarted driver process
     starts its counters from zero)."""
 
     name: str
@@ -49,17 +50,30 @@ class DriverPod:
         return f"{self.name}#{self.restarts}"
 
 
-async def driver_addresses(kube: KubeApi, namespace: str, group: str) -> list[DriverPod]:
-    """The group's ready driver pods that are not terminating, by name."""
+async def driver_addresses(
+    kube: KubeApi, namespace: str, group: str, routing: bool = False
+) -> list[DriverPod]:
+    """The group's driver pods, by name (`select_drivers`)."""
     selector = labels.selector_string(labels.driver_selector(group))
+    return select_drivers(await kube.list(PODS, namespace, selector), routing)
+
+
+def select_drivers(pods: Iterable[Mapping[str, Any]], routing: bool = False) -> list[DriverPod]:
+    """Of driver pods, by name: the ready ones that are not terminating (those the Service sends requests to,
+    whose metrics count); with `routing`, every one whose container runs, ready or not, terminating or not:
+    a driver that missed a readiness probe under load, or is in its lame-duck seconds after its deletion,
+    still sends the requests it holds to the replicas."""
     found = []
-    for pod in await kube.list(PODS, namespace, selector):
+    for pod in pods:
         pod_status = pod.get("status") or {}
         ready = any(
             c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or []
         )
-        if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            restarts = sum(int(c.get("restartCount") or 0) for c in pod_status.get("containerStatuses") or [])
+        containers = pod_status.get("containerStatuses") or []
+        running = any("running" in (c.get("state") or {}) for c in containers)
+        wanted = running if routing else ready and not pod["metadata"].get("deletionTimestamp")
+        if wanted and pod_status.get("podIP"):
+            restarts = sum(int(c.get("restartCount") or 0) for c in containers)
             found.append(DriverPod(pod["metadata"]["name"], str(pod_status["podIP"]), restarts))
     return sorted(found, key=lambda d: d.name)
 
@@ -82,10 +96,18 @@ async def drain_replicas(
 ) -> None:
     """Drains the replicas in one driver, all at once (no new batches to any of them; returns once their
     in-flight ones finished or `timeout` passed), or undrains them. A replica the driver never saw (404) has
-    nothing to drain."""
+    nothing to drain, nor has a driver that refuses the connection (no process listens: it routes nothing,
+    starting or stopped)."""
     action = "undrain" if undrain else f"drain?timeout={min(timeout, DRIVER_MAX_DRAIN_S):g}"
 
     async def one(replica: int) -> None:
+        try:
+            await ask(replica)
+        except aiohttp.ClientConnectorError as error:
+            if not isinstance(error.os_error, ConnectionRefusedError):
+                raise
+
+    async def ask(replica: int) -> None:
         async with http.post(
             f"{base_url}/admin/replicas/{replica}/{action}",
             headers={"Authorization": f"Bearer {token}"},
@@ -138,11 +160,11 @@ async def drain_group_replicas(
     timeout: float,
     undrain: bool = False,
 ) -> list[DriverPod]:
-    """Finds the group's ready drivers and its token, then drains (or undrains) `replicas` in every driver;
+    """Finds the group's running drivers and its token, then drains (or undrains) `replicas` in every driver;
     returns the drivers asked."""
-    drivers = await driver_addresses(kube, namespace, group)
+    drivers = await driver_addresses(kube, namespace, group, routing=True)
     if not drivers:
-        raise NoReadyDriver("no ready driver")
+        raise NoRunningDriver("no driver runs")
     token = await admin_token(kube, namespace, group)
     await drain_in_drivers(http, drivers, port, token, replicas, timeout, undrain)
     return drivers

@@ -227,7 +227,7 @@ class PodPlan:
     scale_down: tuple[int, ...]  # replicas removed because replicas shrank (or a rollout's surge ended)
     replace: tuple[int, ...]  # replicas replaced because they run another revision
     waiting_for_termination: bool
-    rolled: tuple[int, ...] = ()  # of `replace`: serving replicas a rollout replaces (drained before they go)
+    rolled: tuple[int, ...] = ()  # of `replace`: replicas a rollout replaces (drained before they go)
     torn_down: tuple[int, ...] = ()  # of `replace`: replicas that lost a rank, their other ranks deleted
     extent: int = 0  # replica indices kept: replicas, and the surge replicas while a rollout runs
 
@@ -333,7 +333,9 @@ def plan_pods(
             if budget <= 0:
                 continue
             budget -= 1
-            rolled.append(view.index)
+        # Drained before it goes whether it serves or not: readiness is a probe's last answer (under load a
+        # ready replica can miss one), while a driver routes by its own view and may have batches there.
+        rolled.append(view.index)  # outdated: it has pods
         replace.append(view.index)
         delete.extend(sorted(view.live, key=lambda p: -p.rank))
 

@@ -229,10 +229,14 @@ class Supervisor:
             )
         if desired < current:
             try:
+                # Every driver that runs, not only the ready ones read: each may route requests it holds.
+                routing = await driver_addresses(
+                    self.controller.kube, group.namespace, group.name, routing=True
+                )
                 token = await admin_token(self.controller.kube, group.namespace, group.name)
                 await drain_in_drivers(
                     self.clients.drains,
-                    drivers,
+                    routing,
                     group.spec.driver.port,
                     token,
                     range(desired, current),

@@ -192,10 +192,13 @@ class Workload:
         return [p for p in items if p.metadata.deletion_timestamp is None]
 
     def running(self, replicas: int, image: str | None = None) -> bool:
-        status = self.group().get("status") or {}
+        group = self.group()
+        status = group.get("status") or {}
         pods = self.pods()
         return (
-            status.get("phase") == "Running"
+            # Of the spec as last changed: a status from before it can say Running while its pods go.
+            status.get("observedGeneration") == group["metadata"]["generation"]
+            and status.get("phase") == "Running"
             and status.get("readyReplicas") == replicas
             and len(pods) == replicas * self.world_size
             and (image is None or all(p.spec.containers[0].image == image for p in pods))
@@ -289,7 +292,12 @@ def _run_operator_through_a_scenario(
             workload.patch({"worldSize": 1})
             workload.world_size = 1
             eventually(lambda: workload.running(2), 60, "world size 1")
+        # The phase gauge follows the status write the test just read: it may be a moment behind it.
         scraped = _scrape(release.metrics_port)
+        deadline = time.monotonic() + 10
+        while _total(scraped["iwg_operator_groups"], phase="Running") != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            scraped = _scrape(release.metrics_port)
         control_plane.kubectl("delete", "-n", workload_ns, f"iwg/{workload.name}", "--wait=false")
         eventually(workload.gone, 60, "the group deleted")
         time.sleep(1.0)  # the operator sees the deletion before it stops

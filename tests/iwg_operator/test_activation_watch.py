@@ -108,7 +108,11 @@ def idle(groups: Groups) -> bool:
 def driver_pod(address: str) -> dict[str, Any]:
     return {
         "metadata": {"name": "g-driver-0"},
-        "status": {"podIP": address, "conditions": [{"type": "Ready", "status": "True"}]},
+        "status": {
+            "podIP": address,
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "driver", "restartCount": 0, "state": {"running": {}}}],
+        },
     }
 
 

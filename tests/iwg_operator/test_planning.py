@@ -62,12 +62,16 @@ def test_rolling_replaces_at_most_max_unavailable_replicas() -> None:
     assert plan.replace == (3, 2)
 
 
-def test_a_rollout_drains_the_serving_replicas_it_replaces() -> None:
+def test_a_rollout_drains_every_replica_it_replaces() -> None:
     plan = plan_pods(Desired(2, 1, "r2", 1), full(2, 1, REV))
     assert plan.replace == plan.rolled == (1,)
-    # An outdated replica that serves nothing is replaced at once, with nothing to drain.
+    # An outdated replica whose pod is not ready is replaced first, and drained too: a probe it missed under
+    # load does not mean the driver sends it nothing.
     plan = plan_pods(Desired(2, 1, "r2", 1), [pod(0, 0, REV), pod(1, 0, REV, ready=False)])
-    assert plan.replace == (1,) and plan.rolled == ()
+    assert plan.replace == plan.rolled == (1,)
+    # With room for both, the serving one goes too, drained as well.
+    plan = plan_pods(Desired(2, 1, "r2", 2), [pod(0, 0, REV), pod(1, 0, REV, ready=False)])
+    assert plan.replace == plan.rolled == (1, 0)
 
 
 def test_one_replica_with_max_surge_serves_through_a_rollout() -> None:
