@@ -12,10 +12,11 @@ Other splits were slower here: seven lanes (load 16 on two cores, and four timin
 the driver's stream tests moved to the worker lane and OMP_NUM_THREADS=1 in each.
 
 Each lane's lines are printed as they come, prefixed with the lane's name, and kept whole in
-``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end. The exit status is the first failing
-lane's (pytest's own codes), 0 when all pass. Arguments go to every lane (``make test PYTEST_ARGS=...``:
-paths, ``-k``, ``--durations``); the lane's selection applies at collection (``IWG_TEST_LANE``,
-tests/conftest.py), and a lane whose selection is empty (pytest's code 5) counts as passed unless all are.
+``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end, each with its 15 slowest tests. The
+exit status is the first failing lane's (pytest's own codes), 0 when all pass. Arguments go to every lane
+(``make test PYTEST_ARGS=...``: paths, ``-k``, ``--durations``); the lane's selection applies at collection
+(``IWG_TEST_LANE``, tests/conftest.py), and a lane whose selection is empty (pytest's code 5) counts as passed
+unless all are.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def _pump(name: str, source: IO[bytes], log_path: Path, lock: threading.Lock) ->
 
 
 def _summary(path: Path) -> str:
-    """The lane's log from pytest's short test summary (or its last lines) on."""
+    """The lane's log from pytest's slowest durations or short test summary (or its last lines) on."""
     lines = path.read_text(errors="replace").splitlines()
     for i, line in enumerate(lines):
-        if "short test summary info" in line:
+        if "slowest 15 durations" in line or "short test summary info" in line:
             return "\n".join(lines[i:])
     return "\n".join(lines[-5:])
 
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
     pumps: list[threading.Thread] = []
     for name in LANES:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-ra", *argv],
+            [sys.executable, "-m", "pytest", "-q", "-ra", "--durations=15", *argv],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
