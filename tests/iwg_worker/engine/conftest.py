@@ -113,9 +113,10 @@ def release_vllm() -> None:
 _SET_NUM_THREADS = torch.set_num_threads
 
 
-@pytest.fixture(scope="module", params=["transformers", "vllm"])
+@pytest.fixture(scope="session", params=["transformers", "vllm"])
 def engine(request: pytest.FixtureRequest, smollm2: Path) -> Iterator[tuple[Engine, Collector]]:
-    """Each generation engine in turn, on the same weights: every test of the module runs on both."""
+    """Each generation engine in turn, on the same weights: every test that takes it runs on both. One of each
+    for the session (pytest runs the tests of one engine, then the other's): a vLLM start costs a minute here."""
     eng: Engine
     if request.param == "vllm":
         eng, collector = make_vllm_engine(smollm2)
