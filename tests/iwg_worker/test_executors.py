@@ -536,3 +536,51 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
             sock.close(linger=0)
         context.term()
         executor.shutdown()
+
+
+def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None:
+    """A worker's last heartbeat can reach the driver after its goodbye (scale to zero caught one in CI: the
+    leaving replica served again, and took a request it then cut). That process stops: it stays out, while a
+    process started anew for the rank (another routing id) joins. Raw sockets stand in for the ranks."""
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replicas=1, world_size=1, insecure=True, group="g"
+    )
+    context = zmq.Context()
+    sockets = []
+
+    def process(routing_id: bytes) -> zmq.Socket[bytes]:
+        dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
+        dealer.routing_id = routing_id
+        for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
+            sock.linger = 0
+            sock.connect(endpoint)
+            sockets.append(sock)
+        return push
+
+    def beat(
+        push: zmq.Socket[bytes], routing_id: bytes, kind: str = "heartbeat", **capabilities: object
+    ) -> None:
+        hello = protocol.Hello(kind, "g", 0, 0, 1, "pod-0", routing_id, capabilities)
+        push.send_multipart(protocol.encode_hello(hello))
+
+    try:
+        old = process(b"old")
+        beat(old, b"old", "hello")
+        executor.wait_until_serving(timeout=10)
+        old.send_multipart(protocol.encode_goodbye(0, 0, "stopping", None))
+        deadline = time.monotonic() + 5
+        while executor.serving_replicas():
+            assert time.monotonic() < deadline, "the goodbye was not seen"
+            time.sleep(0.01)
+        beat(old, b"old", draining=True)  # sent before the goodbye, come in after it
+        time.sleep(0.5)
+        assert executor.serving_replicas() == frozenset() and executor.members() == []
+        new = process(b"new")
+        beat(new, b"new", "hello")
+        executor.wait_until_serving(timeout=10)
+        assert [m.routing_id for m in executor.members()] == [b"new"]
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+        executor.shutdown()

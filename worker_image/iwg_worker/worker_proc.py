@@ -612,6 +612,8 @@ class WorkerProc:
                 for link in self.links:
                     self._watch_driver(link)
                 with self._send_lock:
+                    if self._stopping.is_set():
+                        continue  # close() says goodbye: no heartbeat may follow it (the driver would rejoin it)
                     for link in self.links:
                         self._offer(link, beat)
 

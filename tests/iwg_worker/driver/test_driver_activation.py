@@ -136,3 +136,27 @@ async def test_without_an_activation_timeout_the_driver_is_not_ready_and_answers
         status, body, _ = await embed(client, "x")
     assert status == 503 and body["error"]["code"] == "no_replica"
     assert waiting(driver) == 0
+
+
+async def test_a_request_that_finds_the_replica_it_was_let_through_for_gone_waits_like_a_held_one() -> None:
+    """The activator let the request through while a replica served; before the request picked one, that
+    replica left (the last one of a scale to zero, as in CI). It waits for the replica that starts again, up
+    to the activation timeout, not the router's grace of a group without activation."""
+    pool = FakePool(replicas=1, delay_s=0.05)
+    async with serve(pool, task="generate", activation_timeout_s=30.0, no_replica_grace_s=0.2) as (
+        client,
+        driver,
+    ):
+        let_through = asyncio.Event()
+
+        async def saw_it_serving() -> None:  # hold() answered at once: a replica served then
+            let_through.set()
+
+        driver.activation.hold = saw_it_serving  # type: ignore[method-assign,assignment]
+        pool.set_state(0, ReplicaState.DEAD)  # ... and it left before the request got to the router
+        answer = asyncio.create_task(complete(client, "late", stream=True))
+        await let_through.wait()
+        await asyncio.sleep(0.6)  # three times the grace
+        assert not answer.done()
+        pool.set_state(0, ReplicaState.SERVING)
+        assert await answer == (200, "etal")

@@ -114,7 +114,13 @@ class Driver:
             load_bound=config.load_bound,
         )
         self.activation = Activation(self.router, self.metrics, config.activation_timeout_s, config.max_queue)
-        self.generations = GenerationService(pool, self.router, self.metrics, config.generation_timeout_s)
+        self.generations = GenerationService(
+            pool,
+            self.router,
+            self.metrics,
+            config.generation_timeout_s,
+            no_replica_wait_s=max(config.no_replica_grace_s, config.activation_timeout_s),
+        )
         self.created = int(time.time())
         self._stats_poller: asyncio.Task[None] | None = None
         self._dispatcher: asyncio.Task[None] | None = None

@@ -60,11 +60,22 @@ class StreamUsage:
 
 
 class GenerationService:
-    def __init__(self, pool: ReplicaPool, router: Router, metrics: DriverMetrics, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        router: Router,
+        metrics: DriverMetrics,
+        timeout_s: float,
+        no_replica_wait_s: float | None = None,
+    ) -> None:
         self.pool = pool
         self.router = router
         self.metrics = metrics
         self.timeout_s = timeout_s
+        # How long a request that finds no replica serving waits for one: the router's grace, or with activation
+        # the activation timeout (the replica the activator saw serving may have left before the request got
+        # here: the last one of a scale to zero, and one starts again for this request).
+        self.no_replica_wait_s = router.no_replica_grace_s if no_replica_wait_s is None else no_replica_wait_s
         self.active = 0  # requests admitted and not yet ended
         # per replica: its engine's prefix-cache (queries, hits, evictions)
         self._prefix_counts: dict[int, tuple[int, int, int]] = {}
@@ -91,7 +102,7 @@ class GenerationService:
         for _attempt in range(2):
             replica = self.router.pick_generation(blocks, tried)
             if replica is None and not tried:
-                await self.router.wait_for_serving(self.router.no_replica_grace_s)
+                await self.router.wait_for_serving(self.no_replica_wait_s)
                 replica = self.router.pick_generation(blocks, tried)
             if replica is None:
                 break

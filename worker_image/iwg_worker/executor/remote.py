@@ -128,6 +128,10 @@ class RemoteExecutor(Executor):
         # older one (a replaced process that came back) is refused. `_refused` keeps the log to one line each.
         self._incarnations: dict[tuple[int, int], int] = {}
         self._refused: set[tuple[tuple[int, int], bytes]] = set()
+        # (replica, rank) -> the routing id of the process that last said goodbye as it: that process stops, so
+        # a heartbeat of it that comes in after its goodbye must not make it a member (and its replica serving)
+        # again. A process that starts anew (a restarted container) has another routing id.
+        self._departed: dict[tuple[int, int], bytes] = {}
         self._routes: dict[int, tuple[bytes, ...]] = {}  # serving replica -> routing ids by rank
         self._serving: frozenset[int] = frozenset()
         self._subscribers: list[MembershipCallback] = []
@@ -425,6 +429,9 @@ class RemoteExecutor(Executor):
                     message.replica, message.rank, message.incarnation, message.reason,
                 )  # fmt: skip
                 return
+            key = (message.replica, message.rank)
+            if (state := self._members.get(key)) is not None:
+                self._departed[key] = state.member.routing_id
             self._member_left(
                 message.replica, message.rank, f"goodbye: {message.reason}", last_call=message.last_call
             )
@@ -480,6 +487,9 @@ class RemoteExecutor(Executor):
                     "refused %s from pod %r (replica %d rank %d): incarnation %d is older than %d, which replaced it",
                     hello.kind, hello.pod, hello.replica, hello.rank, incarnation, newest,
                 )  # fmt: skip
+            return
+        if self._departed.get(key) == hello.routing_id:
+            log.debug("ignored a %s of replica %d rank %d after its goodbye", hello.kind, *key)
             return
         self._incarnations[key] = incarnation
         now = time.monotonic()
