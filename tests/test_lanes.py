@@ -16,6 +16,7 @@ from tests import lanes
     ("path", "cluster", "lane"),
     [
         ("e2e/test_drain.py", True, "e2e"),
+        ("e2e/test_selfheal.py", True, "e2e-serve"),
         ("realnodes/test_real_nodes.py", True, "cluster"),
         ("iwg_operator/test_quiet_cluster.py", True, "cluster"),
         ("iwg_worker/driver/test_driver_streams.py", False, "engine"),
@@ -47,6 +48,30 @@ def test_an_unknown_lane_is_refused_by_name() -> None:
     )
     assert done.returncode != 0
     assert "IWG_TEST_LANE='gpu'" in done.stdout + done.stderr
+
+
+def test_a_lane_collects_its_own_tests_only() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--collect-only",
+            "tests/test_lanes.py",
+            "tests/iwg_worker/engine/test_streams.py",
+        ],
+        cwd=lanes.ROOT,
+        env={**_env_without_lane(), "IWG_TEST_LANE": "engine"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert collected and all(
+        line.startswith("tests/iwg_worker/engine/test_streams.py::") for line in collected
+    )
+    assert "deselected" in done.stdout
 
 
 def _env_without_lane() -> dict[str, str]:
