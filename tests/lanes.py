@@ -1,16 +1,17 @@
-"""`make test`: the suite as five pytest processes side by side, so the cluster tests' waits overlap the
+"""`make test`: the suite as four pytest processes side by side, so the cluster tests' waits overlap the
 worker tests' computing.
 
 The tests marked ``cluster`` (control plane, node agent, real kubelets, e2e groups) mostly wait: health
 periods, drain windows, autoscaler windows, node controllers. The others (workers, engines, drivers, real
 models) mostly compute. One after the other, the machine's two cores were busy 44% of the suite's time. The
-lanes (RULES): the e2e groups in two (serving, vLLM and self-healing; rollouts, drains and scaling), the other
-cluster tests (real kubelets included), the engine and driver tests (real models, vLLM included), the rest.
-Each lane is its own pytest process and starts what it uses: its own control plane on ports from the kernel,
-its own node agent (a random free /24, its own namespaces and bridges); the real-kubelet cluster has its fixed
-fabric in namespaces of its own and is in one lane only. Other splits were slower here: seven lanes with
-OMP_NUM_THREADS=1 (load 16 on two cores, and four timing failures), and four with the driver's stream tests
-moved to the worker lane and OMP_NUM_THREADS=1 in each (docs/development.md, "The suite in lanes").
+lanes (RULES): the e2e groups, the other cluster tests (real kubelets included), the engine and driver tests
+(real models, vLLM included), the rest. Each lane is its own pytest process and starts what it uses: its own
+control plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and
+bridges); the real-kubelet cluster has its fixed fabric in namespaces of its own and is in one lane only.
+Other splits were slower here (docs/development.md, "The suite in lanes"): seven lanes with OMP_NUM_THREADS=1
+(load 16 on two cores, four timing failures); four with the driver's stream tests moved to the worker lane and
+OMP_NUM_THREADS=1; five with the e2e groups in two (load 12: the worker and e2e lanes 2-3 minutes longer, a
+vLLM pod's start past its 180 s, and the engine lane past 24 min).
 
 Each lane's lines are printed as they come, prefixed with the lane's name, and kept whole in
 ``.pytest-lanes/<lane>.log``; the lanes' summaries follow at the end, each with its 15 slowest tests. The
@@ -40,11 +41,6 @@ NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
 # its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    (
-        "e2e-serve",
-        True,
-        ("e2e/test_vllm_engine.py", "e2e/test_selfheal.py", "e2e/test_serving.py", "e2e/test_driver_loss.py"),
-    ),
     ("e2e", True, ("e2e/",)),
     ("cluster", True, ("",)),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),

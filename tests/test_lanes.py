@@ -16,7 +16,7 @@ from tests import lanes
     ("path", "cluster", "lane"),
     [
         ("e2e/test_drain.py", True, "e2e"),
-        ("e2e/test_selfheal.py", True, "e2e-serve"),
+        ("e2e/test_selfheal.py", True, "e2e"),
         ("realnodes/test_real_nodes.py", True, "cluster"),
         ("iwg_operator/test_quiet_cluster.py", True, "cluster"),
         ("iwg_worker/driver/test_driver_streams.py", False, "engine"),

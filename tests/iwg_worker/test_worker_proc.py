@@ -68,18 +68,20 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
     try:
         wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
         port = health_port(worker_log)
-        answered, failures, links = asyncio.run(_embed_until_dropped(wired.url, port, dead_rpc))
+        answered, after, failures, links = asyncio.run(_embed_until_dropped(wired.url, port, dead_rpc))
         log = driver_log.read_text(errors="replace")
         losses = log.count(" left: ")
         dropped = worker_metric(port, "iwg_worker_dropped_messages_total")
         print(
-            f"a dead second driver (heartbeats of {HEARTBEAT_S} s): {answered} calls answered, {len(failures)} "
-            f"failed, replica lost {losses} times; the worker dropped {dropped:.0f} messages to the dead driver; "
+            f"a dead second driver (heartbeats of {HEARTBEAT_S} s): {answered} calls answered ({after} after the "
+            f"first drop), {len(failures)} failed, replica lost {losses} times; the worker dropped {dropped:.0f} messages to the dead driver; "
             f"links: {links}"
         )
         assert losses == 0, log[-3000:]
         assert not failures, failures[:5]
-        assert answered > ZMQ_QUEUE
+        # It went on serving once the dead driver's queue was full (a call a second at least, however busy the
+        # machine: counts, not rates, are this test's evidence).
+        assert after >= AFTER_DROPS_S, (answered, after)
         assert links[dead_rpc]["lost"] is True and links[dead_rpc]["connected"] is False
         assert links[dead_rpc]["backlog"] == 0  # dropped at once, not held for a driver that is gone
         assert links[wired.driver_envs[0][wiring.RPC_ENDPOINT]]["connected"] is True
@@ -92,12 +94,13 @@ def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path:
 
 async def _embed_until_dropped(
     url: str, health: int, dead_rpc: str
-) -> tuple[int, list[str], dict[str, dict[str, Any]]]:
+) -> tuple[int, int, list[str], dict[str, dict[str, Any]]]:
     """Embedding calls one after another until the worker has dropped messages to the dead driver, and for
-    ``AFTER_DROPS_S`` after: (answered, failures, the worker's links by endpoint at the end)."""
+    ``AFTER_DROPS_S`` after: (answered, answered after the first drop was seen, failures, the worker's links by
+    endpoint at the end)."""
     started = time.monotonic()
     deadline = started + 2 * BEATS * HEARTBEAT_S
-    answered = 0
+    answered = after = 0
     failures: list[str] = []
     dropping_since: float | None = None
     checked = 0.0
@@ -121,6 +124,7 @@ async def _embed_until_dropped(
                 async with session.post(f"{url}/v1/embeddings", json=body) as resp:
                     if resp.status == 200 and len((await resp.json())["data"][0]["embedding"]) == 384:
                         answered += 1
+                        after += dropping_since is not None
                     else:
                         failures.append(f"HTTP {resp.status}: {await resp.text()}")
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -128,7 +132,7 @@ async def _embed_until_dropped(
             if failures:
                 break  # the healthy driver paid for the dead one
             await asyncio.sleep(0.05)
-        return answered, failures, await links()
+        return answered, after, failures, await links()
 
 
 # -- cancelled streams -----------------------------------------------------------------------------------
