@@ -3,8 +3,9 @@
 Before the pods of a leaving replica are deleted, every driver stops sending it batches and waits for the ones
 in flight (`POST /admin/replicas/<r>/drain`), so that a scale-down (the autoscaler, `kubectl scale`, an HPA)
 cuts no request. Each driver routes its own requests (`spec.driver.replicas` > 1 runs several), so the drain
-goes to every driver that runs (ready or not, terminating or not), all at once. The reconciler drains every replica a lower spec.replicas removes, the
-autoscaler before it lowers spec.replicas; a replica whose index is kept after all is undrained.
+goes to every driver that runs (ready or not, terminating or not), all at once. The reconciler drains every
+replica a lower spec.replicas removes or a rollout replaces, the autoscaler before it lowers spec.replicas; a
+replica whose index is kept after all is undrained.
 """
 
 from __future__ import annotations
