@@ -40,10 +40,13 @@ SETTLE_S = 2.0  # load kept on the group before each patch and after each rollou
 
 
 def rolled(core: client.CoreV1Api, namespace: str, name: str, replicas: int, image: str) -> bool:
-    """`replicas` worker pods and one driver, all of `image`, Ready, none terminating, nothing else left."""
+    """`replicas` worker pods, of replicas 0 to `replicas` - 1, and one driver, all of `image`, Ready, none
+    terminating, nothing else left. (The indices too: with maxSurge, while replica 0 is replaced the surge
+    replica alone is one pod of the new image.)"""
     workers, drivers = worker_pods(core, namespace, name), driver_pods(core, namespace, name)
     return (
         len(workers) == replicas
+        and replicas_seen(core, namespace, name) == set(range(replicas))
         and len(drivers) == 1
         and all(
             p.metadata.deletion_timestamp is None and pod_ready(p) and p.spec.containers[0].image == image
