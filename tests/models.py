@@ -44,12 +44,14 @@ def smollm2_dir() -> Path:
     return target
 
 
-def smollm2_manifest(kv_blocks: int | None = None, engine: str = "transformers") -> dict[str, Any]:
-    """examples/smollm2.yaml with its model path on the converted directory (it loads in about a second
+def smollm2_manifest(
+    kv_blocks: int | None = None, engine: str = "transformers", example: str = "smollm2.yaml"
+) -> dict[str, Any]:
+    """examples/smollm2.yaml (or another SmolLM2 example) with its model path on the converted directory (it loads in about a second
     instead of dequantising the GGUF file), optionally a KV cache of `kv_blocks` blocks, and the engine named
     (a directory would otherwise choose vLLM's where it is installed). vLLM's engine runs eagerly here: the
     tests start it several times, and compiling adds about two minutes to each start."""
-    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / example).read_text())
     manifest["spec"]["model"]["path"] = str(smollm2_dir())
     manifest["spec"]["model"]["engine"] = engine
     if engine == "vllm":

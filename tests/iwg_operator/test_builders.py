@@ -554,3 +554,20 @@ def test_enforce_eager_reaches_the_workers_only_when_set_and_rolls_them_but_not_
     driver = builders.driver_deployment(eager)["spec"]["template"]
     assert driver == builders.driver_deployment(generate())["spec"]["template"]
     assert wiring.ENFORCE_EAGER not in env_of(driver["spec"]["containers"][0])
+
+
+def test_a_chat_template_reaches_the_workers_and_rolls_them_but_not_the_driver() -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def generate(**model: Any) -> builders.Group:
+        return group(model={"task": "generate", "path": "/models/lm", **model})
+
+    def worker_env_of(g: builders.Group) -> dict[str, Any]:
+        return env_of(builders.worker_pod(g, 0, 0, SETTINGS)["spec"]["containers"][0])
+
+    templated = generate(chatTemplate=template)
+    assert worker_env_of(templated)[wiring.CHAT_TEMPLATE] == template
+    assert wiring.CHAT_TEMPLATE not in worker_env_of(generate())
+    assert builders.revision(templated, SETTINGS) != builders.revision(generate(), SETTINGS)
+    driver = builders.driver_deployment(templated)["spec"]["template"]
+    assert driver == builders.driver_deployment(generate())["spec"]["template"]

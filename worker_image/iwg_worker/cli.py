@@ -226,6 +226,7 @@ def _start_workers(
         dtype=spec.model.dtype,
         engine=spec.model.engine,
         enforce_eager=spec.model.enforce_eager,
+        chat_template=spec.model.chat_template,
         group=group.name,
         kv_cache_blocks=spec.model.kv_cache.blocks if spec.model.kv_cache else None,
         kv_cache_memory_fraction=spec.model.kv_cache.memory_fraction if spec.model.kv_cache else None,

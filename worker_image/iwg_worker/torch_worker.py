@@ -142,7 +142,7 @@ class TorchWorker(WorkerBase):
         if world_size == 1:
             model = model.to(device)  # sharded, transformers has placed each rank's part already
         model = model.eval()
-        tokenizer = load_tokenizer(source) if source.has_tokenizer else None
+        tokenizer = load_tokenizer(source, self.config.chat_template) if source.has_tokenizer else None
         return GenerationEngine(model, tokenizer, self._engine_config(), self.get_memory_info()[0])
 
     def _load_vllm(self, device: torch.device) -> VllmEngine:
@@ -158,7 +158,7 @@ class TorchWorker(WorkerBase):
             enforce_eager=self.config.enforce_eager,
             available_memory=self.get_memory_info()[0],
         )
-        tokenizer = load_tokenizer(source) if source.has_tokenizer else None
+        tokenizer = load_tokenizer(source, self.config.chat_template) if source.has_tokenizer else None
         return VllmEngine(self.config.model_path, tokenizer, self._engine_config(), options)
 
     def execute_model(self, batch: dict[str, Any]) -> dict[str, Any]:

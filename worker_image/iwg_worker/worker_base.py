@@ -36,6 +36,7 @@ class WorkerConfig:
     kv_cache_memory_fraction: float | None = None  # ... a fraction of free device memory
     engine: EngineChoice = "auto"  # generate: vLLM's engine, transformers' continuous batching, or auto
     enforce_eager: bool = False  # vLLM: skip torch.compile (starts faster, steps slower)
+    chat_template: str | None = None  # generate: a Jinja chat template in place of the tokenizer's own
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

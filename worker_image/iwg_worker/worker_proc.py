@@ -169,6 +169,7 @@ class WorkerProcConfig:
             dtype=env.get(wiring.DTYPE) or "auto",  # type: ignore[arg-type]
             engine=env.get(wiring.ENGINE) or "auto",  # type: ignore[arg-type]
             enforce_eager=env.get(wiring.ENFORCE_EAGER) == "1",
+            chat_template=env.get(wiring.CHAT_TEMPLATE) or None,
             group=env.get(wiring.GROUP) or "local",
             replica=integer(wiring.REPLICA, 0),
             rank=integer(wiring.RANK, 0),

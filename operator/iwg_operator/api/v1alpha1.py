@@ -324,6 +324,18 @@ class ModelSpec(ApiModel):
             "the engine the workers chose. Task `embed` runs no generation engine: `vllm` is refused there."
         ),
     )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=65536,
+        description=(
+            "Task `generate` only: a Jinja chat template that replaces the one in the model's tokenizer "
+            "config, as vLLM's `--chat-template` does (for a model that ships none, or to give a model the "
+            "tools). /v1/chat/completions renders messages with it on both engines; a template that renders "
+            "`tools` and writes calls as `<tool_call>` blocks (the Hermes format) makes `tool_choice: auto` "
+            "available (docs/driver.md). A change rolls the workers, not the driver."
+        ),
+    )
     enforce_eager: bool = Field(
         default=False,
         description=(
@@ -385,6 +397,12 @@ class ModelSpec(ApiModel):
             ),
             check=lambda m: not m.enforce_eager or m.engine != "transformers",
             field_path=".enforceEager",
+        ),
+        CrossFieldRule(
+            cel="self.task == 'generate' || !has(self.chatTemplate)",
+            message="spec.model.chatTemplate needs spec.model.task generate (an embed group renders no chats)",
+            check=lambda m: m.task == "generate" or m.chat_template is None,
+            field_path=".chatTemplate",
         ),
     )
 

@@ -87,6 +87,7 @@ KV_CACHE_BLOCKS: Final = "IWG_KV_CACHE_BLOCKS"  # generate: KV cache size in blo
 KV_CACHE_MEMORY_FRACTION: Final = "IWG_KV_CACHE_MEMORY_FRACTION"  # or a fraction of free device memory
 DTYPE: Final = "IWG_DTYPE"  # auto | float32 | float16 | bfloat16
 ENGINE: Final = "IWG_ENGINE"  # generate: auto | vllm | transformers
+CHAT_TEMPLATE: Final = "IWG_CHAT_TEMPLATE"  # a Jinja chat template that replaces the model's own
 ENFORCE_EAGER: Final = "IWG_ENFORCE_EAGER"  # "1": vLLM runs the model eagerly (no torch.compile warm-up)
 DEVICE: Final = "IWG_DEVICE"  # auto | cuda | cpu
 WORKER_CLS: Final = "IWG_WORKER_CLS"

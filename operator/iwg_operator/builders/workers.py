@@ -93,6 +93,8 @@ def worker_env(group: Group, replica: int, rank: int, settings: BuildSettings) -
         {"name": wiring.ENGINE, "value": spec.model.engine},
         {"name": wiring.DEVICE, "value": spec.worker.device},
     ]
+    if spec.model.chat_template:  # workers only: they render chats
+        env.append({"name": wiring.CHAT_TEMPLATE, "value": spec.model.chat_template})
     if spec.model.enforce_eager:
         # Workers only, like IWG_ENGINE; written only when true, as `iwg serve`'s workers get it.
         env.append({"name": wiring.ENFORCE_EAGER, "value": "1"})

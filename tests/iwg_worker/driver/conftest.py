@@ -134,6 +134,7 @@ def start_smollm2(
     engine: str = "transformers",
     replicas: int = 1,
     spec: dict[str, Any] | None = None,
+    example: str = "smollm2.yaml",
 ) -> Served:
     """`iwg serve examples/smollm2.yaml` on a free port, from the converted (fast-loading) SmolLM2 directory,
     on the engine named, with `spec` merged over the manifest's top-level spec fields; returns once it is
@@ -142,7 +143,7 @@ def start_smollm2(
 
     from tests.models import smollm2_manifest
 
-    manifest = smollm2_manifest(kv_blocks, engine)
+    manifest = smollm2_manifest(kv_blocks, engine, example)
     manifest["spec"]["worldSize"] = world_size
     manifest["spec"]["replicas"] = replicas
     manifest["spec"].update(spec or {})

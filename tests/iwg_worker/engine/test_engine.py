@@ -346,3 +346,71 @@ def test_chat_messages_are_rendered_with_the_models_own_template(
     assert collector.text("chat").strip() == "The capital of France is Paris."
     refused = add(eng, {"id": "chat-bad", "messages": [{"role": "robot", "content": "hi"}]})
     assert refused[0]["ok"] is False and refused[0]["error"]["param"] == "messages[0].role"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tool_choice_auto_needs_a_template_with_tools_and_reads_the_calls_the_model_writes(
+    engine: tuple[Engine, Collector],
+) -> None:
+    """SmolLM2's own template renders no tools: auto is refused naming tool_choice. With the Hermes template of
+    examples/smollm2-tools.yaml and an earlier call in the conversation, the model writes a call to the tool
+    for the new city, which the driver's reader returns as a call; asked to greet, it writes text."""
+    import json
+
+    import yaml
+    from iwg_worker.driver.structured import HermesToolReader
+
+    from tests.models import ROOT
+
+    eng, collector = engine
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    auto = {"tools": [WEATHER], "tool_choice": "auto", "max_tokens": 40, "temperature": 0.0}
+    refused = add(eng, {"id": "auto-refused", "messages": [user], **auto})
+    assert refused[0]["ok"] is False and refused[0]["error"]["param"] == "tool_choice", refused
+    earlier = {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Berlin"}'},
+            }
+        ],
+    }
+    own = eng.tokenizer.chat_template
+    manifest = yaml.safe_load((ROOT / "examples" / "smollm2-tools.yaml").read_text())
+    eng.tokenizer.chat_template = manifest["spec"]["model"]["chatTemplate"]
+    try:
+        answers = add(
+            eng,
+            {
+                "id": "auto-call",
+                "messages": [{**user, "content": "What is the weather in Berlin?"}, earlier, user],
+                **auto,
+            },
+            {"id": "auto-text", "messages": [{"role": "user", "content": "Say hello."}], **auto},
+        )
+    finally:
+        eng.tokenizer.chat_template = own
+    assert [(a["ok"], a.get("tool_call_format")) for a in answers] == [(True, "hermes")] * 2, answers
+    collector.wait(["auto-call", "auto-text"])
+    results = {}
+    for request_id in ("auto-call", "auto-text"):
+        reader = HermesToolReader(frozenset({"get_weather"}))
+        reader.feed(collector.text(request_id))
+        reader.close()
+        results[request_id] = (
+            reader.content,
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls],
+        )
+    assert results["auto-call"] == (None, [("get_weather", {"city": "Paris"})]), collector.text("auto-call")
+    assert results["auto-text"][1] == [] and results["auto-text"][0], collector.text("auto-text")

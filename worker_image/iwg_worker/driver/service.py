@@ -59,9 +59,10 @@ from iwg_worker.driver.router import NoReplica, Router, RoutingPolicy
 from iwg_worker.driver.streams import GenerationService, StreamInterrupted, StreamUsage
 from iwg_worker.driver.structured import (
     Constraint,
-    ToolCallReader,
+    ToolReader,
     chat_constraint,
     response_format_constraint,
+    tool_reader,
 )
 
 log = logging.getLogger(__name__)
@@ -247,8 +248,9 @@ class Driver:
             message = ChatCompletionMessage(content=text)
             if reader is not None:
                 reader.feed(text)
+                reader.close()
                 calls = [ResponseToolCall.model_validate(c) for c in reader.calls]
-                message = ChatCompletionMessage(content=None, tool_calls=calls)
+                message = ChatCompletionMessage(content=reader.content, tool_calls=calls or None)
             out.append(
                 ChatCompletionChoice(
                     index=choice.index,
@@ -258,7 +260,7 @@ class Driver:
                         if req.logprobs
                         else None
                     ),
-                    finish_reason=_finish(choice.usage, reader is not None),
+                    finish_reason=_finish(choice.usage, reader is not None and reader.finish_as_tool_calls),
                 )
             )
         return ChatCompletionResponse(
@@ -294,17 +296,24 @@ class Driver:
         """The chunks of a streamed chat completion (``chat.completion.chunk``: the role in the first delta)."""
         choices = self._chat_choices(req)
         started: set[int] = set()
-        readers = {choice.index: choice.reader() for choice in choices}
+        readers: dict[int, ToolReader | None] = {}
 
         def render(choice: _Choice, item: dict[str, Any]) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": item["text"]}
+            if choice.index not in readers:  # after the worker's answer, which names auto's format
+                readers[choice.index] = choice.reader()
             reader = readers[choice.index]
-            if reader is not None:
-                calls = reader.feed(item["text"])
-                delta = {"tool_calls": calls} if calls else {}
             finish = item["finish_reason"]
-            if finish is not None and reader is not None and finish != "length":
-                finish = "tool_calls"
+            if reader is not None:
+                content, calls = reader.feed(item["text"])
+                if finish is not None:
+                    more, last = reader.close()
+                    content, calls = content + more, calls + last
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                if finish is not None and finish != "length" and reader.finish_as_tool_calls:
+                    finish = "tool_calls"
             if choice.index not in started:
                 started.add(choice.index)
                 delta = {"role": "assistant", **delta}
@@ -750,10 +759,15 @@ class _Choice:
     echo_tokens: bool = False  # a token-id prompt echoed: its text comes with the engine's answer
     counts_prompt: bool = True  # the first choice of its prompt: usage counts the prompt's tokens once
     usage: StreamUsage = field(default_factory=StreamUsage)
-    tools: Constraint | None = None  # a forced tool call: the text is read as tool calls
+    tools: Constraint | None = (
+        None  # tool calls: the text is read as tool calls (forced) or may hold them (auto)
+    )
 
-    def reader(self) -> ToolCallReader | None:
-        return ToolCallReader(self.tools) if self.tools is not None else None
+    def reader(self) -> ToolReader | None:
+        """The reader of this choice's text (once the worker has answered: auto's format is in its answer)."""
+        if self.tools is None:
+            return None
+        return tool_reader(self.tools, self.usage.tool_call_format)
 
     def prefix(self) -> str:
         if self.echo is not None:

@@ -55,6 +55,7 @@ class StreamUsage:
 
     prompt_tokens: int = 0
     prompt_text: str | None = None  # the prompt as the worker decoded it, when the request asked for echo
+    tool_call_format: str | None = None  # tool_choice auto: the format the worker's model calls tools in
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -135,6 +136,8 @@ class GenerationService:
                 usage.prompt_tokens = int(answer.get("prompt_tokens", 0))
                 if isinstance(answer.get("prompt_text"), str):
                     usage.prompt_text = answer["prompt_text"]
+                if isinstance(answer.get("tool_call_format"), str):
+                    usage.tool_call_format = answer["tool_call_format"]
                 produced = False
                 finished = False
                 try:

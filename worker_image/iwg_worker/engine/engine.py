@@ -197,9 +197,7 @@ class GenerationEngine(RequestFront):
                 raise RequestRejected(
                     "id", f"request id {request.request_id!r} is already running", "duplicate"
                 )
-            self._streams[request.request_id] = RequestStream(
-                request, self._decode, self.eos_token_ids, self._token_text
-            )
+            self._streams[request.request_id] = self._stream(request)
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if request.grammar is not None:
             self.sampler.constrain(request.request_id, matcher(request.grammar, self.eos_token_ids))

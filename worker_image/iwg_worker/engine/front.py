@@ -15,7 +15,19 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected, parse_request
+from iwg_worker.engine.streams import RequestStream
 from iwg_worker.engine.structured import SchemaCompiler
+
+HERMES = "hermes"
+HERMES_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def tool_call_format(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, if this server reads it: ``hermes`` where the
+    template renders the tools and writes calls as ``<tool_call>`` blocks (Hermes 2 Pro and 3, Qwen 2.5 and
+    3, SmolLM3). None: tool_choice ``auto`` is refused."""
+    template = chat_template or ""
+    return HERMES if HERMES_TAGS[0] in template and "tools" in template else None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
@@ -100,6 +112,36 @@ class RequestFront(ABC):
             return ""  # a model without a tokenizer streams token ids only
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _stream(self, request: GenerationRequest) -> RequestStream:
+        """The stream that turns a request's tokens into its text (special tokens left out, but those it keeps)."""
+        decode = self._decode
+        if request.keep_token_ids:
+            special = frozenset(self.tokenizer.all_special_ids) - request.keep_token_ids
+
+            def decode(ids: list[int]) -> str:
+                kept = [i for i in ids if i not in special]
+                return str(self.tokenizer.decode(kept, skip_special_tokens=False))
+
+        return RequestStream(request, decode, self.eos_token_ids, self._token_text)
+
+    def _with_tools(self, request: GenerationRequest) -> GenerationRequest:
+        """A tool_choice auto request, if this model's chat template calls tools in a format read here; else
+        `RequestRejected` naming ``tool_choice``."""
+        if not request.tools_auto:
+            return request
+        if tool_call_format(getattr(self.tokenizer, "chat_template", None)) is None:
+            raise RequestRejected(
+                "tool_choice",
+                "tool_choice 'auto' (the default with tools) needs a chat template that renders the tools and "
+                "a tool-call format this server reads (hermes: <tool_call> blocks), and this model's template "
+                "has none; set spec.model.chatTemplate, or send tool_choice 'required', 'none' or a named "
+                "function",
+                "unsupported_value",
+            )
+        tags = [self.tokenizer.convert_tokens_to_ids(tag) for tag in HERMES_TAGS]
+        special = frozenset(self.tokenizer.all_special_ids)
+        return dataclasses.replace(request, keep_token_ids=frozenset(t for t in tags if t in special))
+
     def _token_text(self, token: int) -> str:
         """One token's own text, special tokens spelt out (what logprobs name a token by)."""
         if self.tokenizer is None:
@@ -121,7 +163,7 @@ class RequestFront(ABC):
         for raw in raw_requests:
             request_id = raw.get("id") if isinstance(raw, dict) else None
             try:
-                request = self._compile(parse_request(raw, self.limits, tokenize, chat))
+                request = self._compile(self._with_tools(parse_request(raw, self.limits, tokenize, chat)))
                 self._admit(request)
             except RequestRejected as exc:
                 answers.append({"id": request_id, "ok": False, "error": exc.as_dict()})
@@ -133,5 +175,7 @@ class RequestFront(ABC):
             }
             if request.echo:
                 answer["prompt_text"] = self._decode(list(request.prompt_ids))
+            if request.tools_auto:
+                answer["tool_call_format"] = HERMES
             answers.append(answer)
         return answers

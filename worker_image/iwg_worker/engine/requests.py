@@ -66,6 +66,8 @@ class GenerationRequest:
     echo: bool = False  # the admission answer carries the prompt's text (a token-id prompt echoed back)
     json_param: str = "response_format"  # the client's field the schema came from (what a refusal names)
     grammar: Any = field(default=None, compare=False)  # the schema compiled (xgrammar), set at admission
+    tools_auto: bool = False  # tool_choice auto: the model may call the request's tools in its own format
+    keep_token_ids: frozenset[int] = frozenset()  # special tokens its text keeps (auto's tool-call tags)
 
 
 _KEYS = frozenset(
@@ -88,6 +90,7 @@ _KEYS = frozenset(
         "json_schema",
         "json_param",
         "tools",
+        "tool_choice",
     }
 )
 MAX_SCHEMA_CHARS = 65_536
@@ -229,6 +232,15 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         raise RequestRejected(
             json_param, f"the schema must be JSON text of at most {MAX_SCHEMA_CHARS} characters"
         )
+    tools_auto = raw.get("tool_choice") is not None
+    if tools_auto and (
+        raw.get("tool_choice") != "auto" or not raw.get("tools") or raw.get("messages") is None
+    ):
+        raise RequestRejected(
+            "tool_choice", "'tool_choice' is 'auto' or absent, and 'auto' goes with chat messages and 'tools'"
+        )
+    if tools_auto and json_schema is not None:
+        raise RequestRejected("tool_choice", "tool_choice 'auto' and a JSON schema cannot both hold")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(raw, "temperature", 1.0, 0.0, 2.0),
@@ -243,5 +255,10 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         json_schema=json_schema,
     )
     return GenerationRequest(
-        request_id, prompt_ids, params, echo=bool(raw.get("echo", False)), json_param=json_param
+        request_id,
+        prompt_ids,
+        params,
+        echo=bool(raw.get("echo", False)),
+        json_param=json_param,
+        tools_auto=tools_auto,
     )

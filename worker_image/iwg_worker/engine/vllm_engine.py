@@ -225,9 +225,7 @@ class VllmEngine(RequestFront):
                 raise RequestRejected(
                     "id", f"request id {request.request_id!r} is already running", "duplicate"
                 )
-            self._streams[request.request_id] = RequestStream(
-                request, self._decode, self.eos_token_ids, self._token_text
-            )
+            self._streams[request.request_id] = self._stream(request)
             self._generated[request.request_id] = []
             self._pending_adds += 1
         self._command("add", _request_message(request))

@@ -95,6 +95,8 @@ def worker_env(
         env[wiring.WORKER_EXTENSION_CLS] = worker_extension_cls
     if config.enforce_eager:
         env[wiring.ENFORCE_EAGER] = "1"
+    if config.chat_template:
+        env[wiring.CHAT_TEMPLATE] = config.chat_template
     if config.kv_cache_blocks:
         env[wiring.KV_CACHE_BLOCKS] = str(config.kv_cache_blocks)
     if config.kv_cache_memory_fraction:

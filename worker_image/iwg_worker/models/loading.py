@@ -44,10 +44,14 @@ def model_source(path: str | Path) -> ModelSource:
     return ModelSource(root)
 
 
-def load_tokenizer(source: ModelSource) -> Any:
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:
+    """The model's tokenizer; ``chat_template`` (spec.model.chatTemplate) replaces the template it ships."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def load_causal_lm(source: ModelSource, dtype: Any, **kwargs: Any) -> Any:
