@@ -376,6 +376,7 @@ def test_tool_choice_auto_needs_a_template_with_tools_and_reads_the_calls_the_mo
     auto = {"tools": [WEATHER], "tool_choice": "auto", "max_tokens": 40, "temperature": 0.0}
     refused = add(eng, {"id": "auto-refused", "messages": [user], **auto})
     assert refused[0]["ok"] is False and refused[0]["error"]["param"] == "tool_choice", refused
+    assert eng.stats()["tool_call_format"] is None
     earlier = {
         "role": "assistant",
         "tool_calls": [
@@ -390,6 +391,7 @@ def test_tool_choice_auto_needs_a_template_with_tools_and_reads_the_calls_the_mo
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-tools.yaml").read_text())
     eng.tokenizer.chat_template = manifest["spec"]["model"]["chatTemplate"]
     try:
+        assert eng.stats()["tool_call_format"] == "hermes"
         answers = add(
             eng,
             {

@@ -337,6 +337,7 @@ class GenerationEngine(RequestFront):
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_evictions": self.prefix_evictions,
             "structured_outputs": BACKEND,
+            "tool_call_format": self.tool_call_format(),
             "engine_running": self.running,
         }
 

@@ -124,12 +124,16 @@ class RequestFront(ABC):
 
         return RequestStream(request, decode, self.eos_token_ids, self._token_text)
 
+    def tool_call_format(self) -> str | None:
+        """The tool-call format of this model's chat template, if read here (None: tool_choice auto is refused)."""
+        return tool_call_format(getattr(self.tokenizer, "chat_template", None))
+
     def _with_tools(self, request: GenerationRequest) -> GenerationRequest:
         """A tool_choice auto request, if this model's chat template calls tools in a format read here; else
         `RequestRejected` naming ``tool_choice``."""
         if not request.tools_auto:
             return request
-        if tool_call_format(getattr(self.tokenizer, "chat_template", None)) is None:
+        if self.tool_call_format() is None:
             raise RequestRejected(
                 "tool_choice",
                 "tool_choice 'auto' (the default with tools) needs a chat template that renders the tools and "

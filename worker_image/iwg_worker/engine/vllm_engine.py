@@ -400,6 +400,7 @@ class VllmEngine(RequestFront):
             "prefix_cache_queries": self._recorder.prefix_queries,
             "prefix_cache_hits": self._recorder.prefix_hits,
             "structured_outputs": BACKEND,
+            "tool_call_format": self.tool_call_format(),
             "engine_running": self.running,
         }
 
