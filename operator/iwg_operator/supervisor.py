@@ -213,7 +213,7 @@ class Supervisor:
                 "Normal",
                 "ActivatedFromZero",
                 f"first answer {activation['seconds']:.2f} s after the first request held with no replica "
-                f"serving (answered at {activation['at']})",
+                f"serving (answered at {activation['at']}){_phases_text(activation.get('phases'))}",
                 once=False,
             )
 
@@ -294,6 +294,24 @@ class Supervisor:
         await self.controller.write_status(state, change)
 
 
+# The parts of an activation as the drivers name them, and as status.lastActivation.phases does.
+ACTIVATION_PHASES = {
+    "pod_start": "podStart",
+    "worker_start": "workerStart",
+    "model_load": "modelLoad",
+    "ready": "ready",
+    "first_answer": "firstAnswer",
+}
+
+
+def _phases_text(phases: Mapping[str, float] | None) -> str:
+    """The Event's words for lastActivation.phases: ": pod start 1.20 s, ..." (nothing without them)."""
+    if not phases:
+        return ""
+    parts = [(p.replace("_", " "), phases[c]) for p, c in ACTIVATION_PHASES.items() if c in phases]
+    return ": " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts)
+
+
 def latest_activation(current: Mapping[str, Any], sample: DriverSample | None) -> dict[str, Any] | None:
     """status.lastActivation from the drivers' latest activation, when it is newer than the one written."""
     if sample is None or sample.last_activation is None:
@@ -301,7 +319,13 @@ def latest_activation(current: Mapping[str, Any], sample: DriverSample | None) -
     at, seconds = sample.last_activation
     when = status.rfc3339(at)
     known = (current.get("lastActivation") or {}).get("at")
-    return {"at": when, "seconds": round(seconds, 3)} if known is None or str(known) < when else None
+    if known is not None and str(known) >= when:
+        return None
+    entry: dict[str, Any] = {"at": when, "seconds": round(seconds, 3)}
+    phases = dict(sample.last_activation_phases)
+    if all(phase in phases for phase in ACTIVATION_PHASES):
+        entry["phases"] = {camel: round(phases[phase], 3) for phase, camel in ACTIVATION_PHASES.items()}
+    return entry
 
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

@@ -47,6 +47,10 @@ def phase(groups: Groups, name: str) -> tuple[int, str | None]:
     return int(group["spec"]["replicas"]), (group.get("status") or {}).get("phase")
 
 
+def last_activation(groups: Groups, name: str) -> dict[str, Any]:
+    return dict((groups.get(name).get("status") or {}).get("lastActivation") or {})
+
+
 def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_zero_when_idle(
     node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
 ) -> None:
@@ -86,6 +90,13 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
         assert scaled_up and "held by the drivers" in scaled_up[0].message, [e.message for e in scaled_up]
         assert driver_metric(driver_ip, "iwg_activation_seconds_count") == REQUESTS
         assert driver_metric(driver_ip, "iwg_activation_waiting") == 0
+        # The cold start in the group's status, in its parts (from the worker's hello): a pod started for it,
+        # SmolLM2 loaded; the parts add up to the whole.
+        eventually(lambda: "phases" in last_activation(groups, name), 30, "status.lastActivation.phases")
+        activation = last_activation(groups, name)
+        parts = activation["phases"]
+        assert parts["podStart"] > 0 and parts["modelLoad"] > 0, activation
+        assert sum(parts.values()) == pytest.approx(activation["seconds"], abs=0.01), activation
 
         # Idle: drained back to zero replicas, no worker pod left, the driver still up.
         eventually(lambda: phase(groups, name) == (0, "Idle"), 120, "back to 0 replicas, phase Idle")
@@ -109,7 +120,7 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
     )
     print(
         f"scale from zero: {REQUESTS} requests answered in {first_burst_s:.1f} s; mean activation "
-        f"{seconds:.1f} s; the late request arrived with the leaving replica's pod still there: {leaving}",
+        f"{seconds:.1f} s (the first: {activation['seconds']:.1f} s, {parts}); the late request arrived with the leaving replica's pod still there: {leaving}",
         file=sys.__stderr__,
     )
     reasons = [

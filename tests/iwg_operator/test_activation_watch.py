@@ -27,7 +27,7 @@ from iwg_operator.pod_http import session
 from iwg_operator.supervisor import Supervisor, latest_activation
 from iwg_worker.driver.activation import MAX_WATCHERS
 from iwg_worker.driver.metrics import DriverMetrics
-from iwg_worker.driver.pool import ReplicaState
+from iwg_worker.driver.pool import ReplicaStartup, ReplicaState
 
 from tests.iwg_worker.driver.fakes import FakePool
 from tests.iwg_worker.driver.test_driver_activation import at_zero, until
@@ -204,6 +204,8 @@ async def test_the_time_to_first_answer_goes_to_the_status_and_an_event_once() -
             held = asyncio.create_task(embed(client, "first request"))
             await asyncio.wait_for(until(lambda: bool(groups.kube.scaled)), 5)
             await asyncio.sleep(0.5)  # the replica's cold start
+            now = time.monotonic()  # its worker's hello: started 0.4 s ago, loaded its model in 0.25 s
+            pool.startups[0] = ReplicaStartup(now - 0.4, now - 0.3, now - 0.05)
             pool.set_state(0, ReplicaState.SERVING)
             assert (await held)[0] == 200
             assert 0.5 <= metric(driver, "iwg_last_activation_seconds") < 5
@@ -212,10 +214,15 @@ async def test_the_time_to_first_answer_goes_to_the_status_and_an_event_once() -
             activation = state.current_status["lastActivation"]
             assert activation["seconds"] == round(metric(driver, "iwg_last_activation_seconds"), 3)
             assert activation["at"] == status.rfc3339(metric(driver, "iwg_last_activation_timestamp_seconds"))
+            phases = activation["phases"]
+            assert list(phases) == ["podStart", "workerStart", "modelLoad", "ready", "firstAnswer"]
+            assert phases["modelLoad"] == pytest.approx(0.25, abs=0.002)
+            assert sum(phases.values()) == pytest.approx(activation["seconds"], abs=0.01)
             await asyncio.sleep(0.5)  # more rounds: the same activation is not reported again
             reasons = [reason for reason, _ in groups.events]
             assert reasons == ["ScaledFromZero", "ActivatedFromZero"], groups.events
             assert f"first answer {activation['seconds']:.2f} s after" in groups.events[1][1]
+            assert f"model load {phases['modelLoad']:.2f} s" in groups.events[1][1]
 
 
 def test_the_latest_activation_of_any_driver_is_read_and_written_once() -> None:
@@ -223,12 +230,18 @@ def test_the_latest_activation_of_any_driver_is_read_and_written_once() -> None:
     assert parse_driver_metrics(metrics.render().decode(), 1.0).last_activation is None  # none yet
     metrics.last_activation_seconds.set(7.25)
     metrics.last_activation_time.set(1_800_000_000.0)
+    for phase, seconds in (("pod_start", 3.0), ("worker_start", 1.0), ("model_load", 2.0), ("ready", 0.25)):
+        metrics.last_activation_phase_seconds.labels(phase=phase).set(seconds)
+    partial = latest_activation({}, parse_driver_metrics(metrics.render().decode(), 1.0))
+    assert partial is not None and "phases" not in partial  # a part missing: none written
+    metrics.last_activation_phase_seconds.labels(phase="first_answer").set(1.0)
     one = parse_driver_metrics(metrics.render().decode(), 1.0)
     older = DriverSample(2.0, 0.0, 0.0, last_activation=(1_700_000_000.0, 1.0))
     both = combine_samples({"a#0": one, "b#0": older})
     assert both.last_activation == (1_800_000_000.0, 7.25)
     entry = latest_activation({}, both)
-    assert entry == {"at": "2027-01-15T08:00:00Z", "seconds": 7.25}
+    phases = {"podStart": 3.0, "workerStart": 1.0, "modelLoad": 2.0, "ready": 0.25, "firstAnswer": 1.0}
+    assert entry == {"at": "2027-01-15T08:00:00Z", "seconds": 7.25, "phases": phases}
     assert latest_activation({"lastActivation": entry}, both) is None  # written already: no second Event
     assert latest_activation({}, None) is None
 

@@ -96,6 +96,14 @@ def test_a_group_served_at_zero_starts_a_replica_on_the_first_request_and_stops_
         seen = metrics(url)
         assert seen["iwg_activation_seconds_count"] == 1
         assert 0 < seen["iwg_last_activation_seconds"] <= answered
+        # The cold start in its parts, from the worker's hello: a process started for this request (pod_start:
+        # the replica's processes spawned), its imports, MiniLM's load; together the whole.
+        parts = {
+            phase: seen[f'iwg_last_activation_phase_seconds{{phase="{phase}"}}']
+            for phase in ("pod_start", "worker_start", "model_load", "ready", "first_answer")
+        }
+        assert parts["pod_start"] > 0 and parts["worker_start"] > 0 and parts["model_load"] > 0, parts
+        assert sum(parts.values()) == pytest.approx(seen["iwg_last_activation_seconds"], abs=0.05), parts
         assert workers(process), "no worker serves the answered request"
         # Idle for scaleToZeroAfterSeconds: the replica is drained and its workers stop.
         deadline = time.monotonic() + IDLE_S + 30
@@ -103,7 +111,8 @@ def test_a_group_served_at_zero_starts_a_replica_on_the_first_request_and_stops_
             time.sleep(0.2)
         assert workers(process) == [], "the replica did not stop after the idle window"
         assert metrics(url)["iwg_serving_replicas"] == 0
-        print(f"first answer after {answered:.1f} s (cold start); back to zero")
+        split = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in parts.items())
+        print(f"first answer after {answered:.1f} s (cold start: {split}); back to zero")
     finally:
         code = stop(process)
     text = log.read_text(errors="replace")

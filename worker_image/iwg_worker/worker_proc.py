@@ -55,6 +55,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -81,6 +82,16 @@ MAX_BACKLOG = 1024  # messages a link holds for a driver that is slow to take th
 BACKLOG_RETRY_S = 0.005  # how soon the output thread tries a backlog again
 CLOSE_FLUSH_S = 1.0  # how long a closing worker keeps trying to hand its backlogs (goodbyes) to live drivers
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its replica still runs anything
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, as the kernel counts them (/proc; None where there is none)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,13 +331,16 @@ class WorkerProc:
         self._in_flight: tuple[str, float | None] | None = None
         self._driver_timeout_s = config.heartbeat_interval_s * wiring.DEFAULT_HEARTBEAT_MISSES
         self._model_loaded = False
+        self._load_began = self._load_done = time.monotonic()
         self.health = HealthServer(
             config.health_host, config.health_port, self._liveness, self._readiness, self.metrics.registry
         )
         self.health.start()
         worker = self.wrapper.require_worker()
+        self._load_began = time.monotonic()
         worker.init_device()
         worker.load_model()
+        self._load_done = time.monotonic()
         self._model_loaded = True
         # The model's and libraries' objects live as long as the process: out of the collector's sight, a full
         # collection no longer walks them (0.7-0.9 s with SmolLM2 loaded, every thread stopped: a missed
@@ -443,11 +457,22 @@ class WorkerProc:
                     "health_port": self.health.port,
                     "pid": os.getpid(),
                     "incarnation": self.config.incarnation,
+                    "startup": self._startup(),
                     # Draining after SIGTERM: no new requests for this replica (drivers that know the key).
                     **({"draining": True} if self._drain_deadline is not None else {}),
                 },
             )
         )
+
+    def _startup(self) -> dict[str, float | None]:
+        """How this process started, in seconds before now (the driver splits a cold start with it): since the
+        process started (the kernel's count; None off Linux), since its model began loading, since it had."""
+        now = time.monotonic()
+        return {
+            "age_s": process_age_s(),
+            "load_began_s_ago": now - self._load_began,
+            "load_done_s_ago": now - self._load_done,
+        }
 
     def _emit(self, frames: list[Any], link: _DriverLink) -> None:
         """Send ``frames`` to ``link``'s driver, or hold them in its backlog; never waits (any thread). When

@@ -1127,6 +1127,26 @@ class RecentRestart(ApiModel):
     replica: int = Field(ge=0, description="The replica replaced (or whose pod was).")
 
 
+class ActivationPhases(ApiModel):
+    """An activation's time to first answer in its parts, each starting where the one before ends (they add up
+    to `seconds`), from what the serving replica's worker said of its start."""
+
+    pod_start: float = Field(
+        ge=0,
+        description="First request held to the worker process's start: scheduling, image pull, container.",
+    )
+    worker_start: float = Field(
+        ge=0, description="Worker process start to its model load's start: imports, device."
+    )
+    model_load: float = Field(ge=0, description="The model's load (weights, engine).")
+    ready: float = Field(
+        ge=0, description="Model loaded to replica serving: sockets, hello, the driver reaching it."
+    )
+    first_answer: float = Field(
+        ge=0, description="Replica serving to the first answer: its first batch or step."
+    )
+
+
 class LastActivation(ApiModel):
     """The group's latest activation from zero, as its drivers measured it."""
 
@@ -1137,6 +1157,10 @@ class LastActivation(ApiModel):
             "Time to first answer: from the first request a driver held with no replica serving to the first "
             "answer of a held request."
         ),
+    )
+    phases: ActivationPhases | None = Field(
+        default=None,
+        description="The same time in its parts; absent where the worker did not say how it started.",
     )
 
 

@@ -24,6 +24,8 @@ REQUESTS_TOTAL = "iwg_requests_total"
 # The driver's latest activation: its time to first answer, and when that answer came (Unix time; 0: none yet).
 LAST_ACTIVATION_SECONDS = "iwg_last_activation_seconds"
 LAST_ACTIVATION_TIME = "iwg_last_activation_timestamp_seconds"
+# ... and that activation in its parts, by label phase (pod_start, worker_start, model_load, ready, first_answer).
+LAST_ACTIVATION_PHASE = "iwg_last_activation_phase_seconds"
 
 
 class MetricsError(ValueError):
@@ -49,6 +51,9 @@ class DriverSample:
     requests_total: float = 0.0  # requests answered since each driver started (summed)
     # (when, Unix time, its time to first answer in s) of the latest activation of any driver; None: none yet
     last_activation: tuple[float, float] | None = None
+    last_activation_phases: tuple[
+        tuple[str, float], ...
+    ] = ()  # its parts, (phase, s), as its driver split it
 
 
 def parse_driver_metrics(text: str, at: float) -> DriverSample:
@@ -57,6 +62,7 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
     buckets: dict[float, float] = {}
     gauges: dict[str, float] = {}
     answered = 0.0
+    phases: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -80,6 +86,8 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
             gauges[name] = value
         elif name == REQUESTS_TOTAL:
             answered += value
+        elif name == LAST_ACTIVATION_PHASE and 'phase="' in name_and_labels:
+            phases[name_and_labels.split('phase="', 1)[1].split('"', 1)[0]] = value
         elif name == LATENCY_BUCKET and 'le="' in name_and_labels:
             bound_text = name_and_labels.split('le="', 1)[1].split('"', 1)[0]
             bound = math.inf if bound_text == "+Inf" else float(bound_text)
@@ -101,6 +109,7 @@ def parse_driver_metrics(text: str, at: float) -> DriverSample:
             if gauges.get(LAST_ACTIVATION_TIME, 0.0) > 0
             else None
         ),
+        last_activation_phases=tuple(sorted(phases.items())),
     )
 
 
@@ -120,6 +129,8 @@ def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
     if not samples:
         raise MetricsError("no driver sample")
     parts = list(samples.values())
+    activated = [p for p in parts if p.last_activation]
+    latest = max(activated, key=lambda p: p.last_activation or (0.0, 0.0)) if activated else None
     buckets: dict[float, float] = {}
     for part in parts:
         for bound, count in part.latency_buckets:
@@ -134,7 +145,8 @@ def combine_samples(samples: Mapping[str, DriverSample]) -> DriverSample:
         drivers=tuple(sorted(samples)),
         activation_waiting=sum(p.activation_waiting for p in parts),
         requests_total=sum(p.requests_total for p in parts),
-        last_activation=max((p.last_activation for p in parts if p.last_activation), default=None),
+        last_activation=latest.last_activation if latest else None,
+        last_activation_phases=latest.last_activation_phases if latest else (),
     )
 
 

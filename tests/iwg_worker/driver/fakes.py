@@ -16,6 +16,7 @@ from iwg_worker.driver.pool import (
     MembershipEvent,
     MembershipListener,
     ReplicaFailure,
+    ReplicaStartup,
     ReplicaState,
 )
 
@@ -39,6 +40,12 @@ class FakePool:
     def __init__(self, replicas: int = 2, delay_s: float = 0.01) -> None:
         self.replicas = {r: FakeReplica(delay_s=delay_s) for r in range(replicas)}
         self.listeners: list[MembershipListener] = []
+        self.startups: dict[
+            int, ReplicaStartup
+        ] = {}  # how a replica's worker started, as its hello would say
+
+    def startup(self, replica: int) -> ReplicaStartup | None:
+        return self.startups.get(replica)
 
     def states(self) -> dict[int, ReplicaState]:
         return {r: rep.state for r, rep in self.replicas.items()}

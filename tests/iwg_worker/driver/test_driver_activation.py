@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from iwg_worker.driver.pool import ReplicaState
+from iwg_worker.driver.activation import activation_phases
+from iwg_worker.driver.pool import ReplicaStartup, ReplicaState
 from iwg_worker.driver.service import Driver
 
 from tests.iwg_worker.driver.fakes import FakePool
@@ -160,3 +162,39 @@ async def test_a_request_that_finds_the_replica_it_was_let_through_for_gone_wait
         assert not answer.done()
         pool.set_state(0, ReplicaState.SERVING)
         assert await answer == (200, "etal")
+
+
+async def test_an_activation_is_split_into_the_parts_the_workers_hello_tells_and_they_add_up() -> None:
+    """The serving replica's worker said when it started and loaded its model: the activation's parts are
+    those marks' gaps, each at least zero, and they add up to the whole (iwg_last_activation_seconds)."""
+    pool = at_zero()
+    async with serve(pool, activation_timeout_s=30.0) as (client, driver):
+        held = asyncio.create_task(embed(client, "text"))
+        await until(lambda: waiting(driver) == 1)
+        held_at = time.monotonic()
+        await asyncio.sleep(0.4)  # the pod starts; its worker loads the model for 0.2 s; it says hello
+        now = time.monotonic()
+        pool.startups[0] = ReplicaStartup(
+            process_started=now - 0.3, load_began=now - 0.25, load_done=now - 0.05
+        )
+        pool.set_state(0, ReplicaState.SERVING)
+        await held
+        parts = {
+            phase: metric(driver, "iwg_last_activation_phase_seconds", {"phase": phase})
+            for phase in ("pod_start", "worker_start", "model_load", "ready", "first_answer")
+        }
+        total = metric(driver, "iwg_last_activation_seconds")
+    assert parts["pod_start"] == pytest.approx(now - 0.3 - held_at, abs=0.03)
+    assert parts["worker_start"] == pytest.approx(0.05, abs=0.01)
+    assert parts["model_load"] == pytest.approx(0.2, abs=0.01)
+    assert 0 <= parts["ready"] < 0.1 and parts["first_answer"] > 0
+    assert sum(parts.values()) == pytest.approx(total, abs=0.01)
+    assert metric(driver, "iwg_activation_phase_seconds_count", {"phase": "model_load"}) == 1
+
+
+def test_parts_before_the_first_request_held_count_as_none() -> None:
+    """A worker that started (and loaded) before the first request was held: no pod start, no load in it."""
+    started = ReplicaStartup(process_started=1.0, load_began=2.0, load_done=3.0)
+    parts = dict(activation_phases(10.0, started, 12.0, 12.5))
+    assert parts == {"pod_start": 0, "worker_start": 0, "model_load": 0, "ready": 2.0, "first_answer": 0.5}
+    assert dict(activation_phases(10.0, None, 12.0, 12.5)) == {"first_answer": 0.5}

@@ -13,7 +13,13 @@ cancelled) leaves the queue at once. Without a timeout (0) nothing is held: an e
 answer (its first token when streamed). ``iwg_last_activation_seconds`` is the latest activation's time to
 first answer: from the oldest request held to the first answer of any of them, once a replica served
 (``iwg_last_activation_timestamp_seconds``: when that answer came, Unix time; both 0 before any); the
-autoscaler writes it to the group's status (``lastActivation``).
+autoscaler writes it to the group's status (``lastActivation``). The same activation in its parts
+(``iwg_activation_phase_seconds`` and ``iwg_last_activation_phase_seconds``, label ``phase``), from the
+serving replica's worker's hello (`ReplicaStartup`): ``pod_start`` (first request held to the worker process's
+start), ``worker_start`` (to its model load's start), ``model_load``, ``ready`` (to serving) and
+``first_answer`` (serving to the first answer). Each part starts where the one before ends and none is below
+zero (a worker that started before the first request was held has no pod_start), so they add up to the whole;
+without the worker's word (an older worker) only ``first_answer`` is observed.
 
 ``GET /activation?wait=S`` (app.py) tells the operator at once: it answers as soon as a request is held (at
 once when one is now), or after ``S`` seconds (at most ``MAX_WATCH_S``) with nothing held. The autoscaler keeps
@@ -27,18 +33,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 from iwg_worker.driver.metrics import DriverMetrics
 from iwg_worker.driver.openai_api import ApiError, queue_full_error
+from iwg_worker.driver.pool import ReplicaStartup
 from iwg_worker.driver.router import Router
+
+PHASES = ("pod_start", "worker_start", "model_load", "ready", "first_answer")
 
 MAX_WATCHERS = 16
 MAX_WATCH_S = 60.0
 
 
 class Activation:
-    def __init__(self, router: Router, metrics: DriverMetrics, timeout_s: float, max_waiting: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        metrics: DriverMetrics,
+        timeout_s: float,
+        max_waiting: int,
+        startup_of: Callable[[int], ReplicaStartup | None] = lambda _: None,
+    ) -> None:
         self.router = router
+        self.startup_of = startup_of
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
@@ -46,6 +64,8 @@ class Activation:
         # The arrival of the oldest request of the last release, until one request of it is answered: the
         # activation that `answered` measures.
         self._released_from: float | None = None
+        self._released_at = 0.0  # when that release came (a replica serving)
+        self._startup: ReplicaStartup | None = None  # how the replica serving then started
         self._watchers: set[asyncio.Future[None]] = set()
         router.add_listener(self._release)
 
@@ -126,6 +146,11 @@ class Activation:
         if self._released_from is not None:
             self.metrics.last_activation_seconds.set(now - self._released_from)
             self.metrics.last_activation_time.set(time.time())
+            for phase, seconds in activation_phases(
+                self._released_from, self._startup, self._released_at, now
+            ):
+                self.metrics.activation_phase_seconds.labels(phase=phase).observe(seconds)
+                self.metrics.last_activation_phase_seconds.labels(phase=phase).set(seconds)
             self._released_from = None
 
     def _release(self) -> None:
@@ -134,6 +159,9 @@ class Activation:
             return
         if self._waiters:
             self._released_from = self._waiters[0][0]
+            self._released_at = time.monotonic()
+            serving = self.router.serving()
+            self._startup = self.startup_of(serving[0]) if serving else None
         while self._waiters:
             _, waiter = self._waiters.popleft()
             if not waiter.done():
@@ -142,3 +170,19 @@ class Activation:
 
     def _publish(self) -> None:
         self.metrics.activation_waiting.set(len(self._waiters))
+
+
+def activation_phases(
+    held: float, startup: ReplicaStartup | None, serving: float, answered: float
+) -> list[tuple[str, float]]:
+    """An activation's parts (see the module's docstring): from the first request ``held`` to the replica
+    ``serving`` through its worker's ``startup``, then to the first answer (monotonic times)."""
+    points = (startup.process_started, startup.load_began, startup.load_done) if startup else ()
+    if len(points) != 3 or any(p is None for p in points):
+        return [("first_answer", max(0.0, answered - serving))]
+    marks = [held]
+    for point in points:  # each within [the mark before, serving]
+        marks.append(min(max(float(point or 0.0), marks[-1]), max(serving, marks[-1])))
+    marks.append(max(serving, marks[-1]))
+    marks.append(max(answered, marks[-1]))
+    return [(phase, marks[i + 1] - marks[i]) for i, phase in enumerate(PHASES)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from iwg_worker.driver.pool import (
     MembershipEvent,
     MembershipListener,
     ReplicaFailure,
+    ReplicaStartup,
     ReplicaState,
 )
 from iwg_worker.executor.base import (
@@ -155,6 +157,23 @@ class ExecutorPool:
         )
         return stats
 
+    def startup(self, replica: int) -> ReplicaStartup | None:
+        """From the hello of `replica`'s output rank: its ``startup`` capability gives seconds before the hello,
+        the member's ``joined_at`` when the hello came (this driver's wall clock, turned monotonic here)."""
+        members = getattr(self.executor, "members", None)
+        if members is None:
+            return None
+        for member in members():
+            if member.replica == replica and member.rank == self.executor.output_rank:
+                said = member.capabilities.get("startup")
+                if not isinstance(said, dict):
+                    return None
+                heard = time.monotonic() - max(0.0, time.time() - member.joined_at)
+                return ReplicaStartup(
+                    *(_before(heard, said.get(k)) for k in ("age_s", "load_began_s_ago", "load_done_s_ago"))
+                )
+        return None
+
     async def close(self) -> None:
         self._unsubscribe()
         await asyncio.to_thread(self.executor.shutdown)
@@ -193,3 +212,10 @@ def _results(batch: Batch, reply: Any) -> list[ItemResult]:
     counts = reply.get("prompt_tokens")
     tokens = [int(c) for c in _as_array(counts).reshape(-1)] if counts is not None else [0] * n
     return [EmbedResult(embeddings[i], tokens[i]) for i in range(n)]
+
+
+def _before(heard: float, seconds: Any) -> float | None:
+    """``seconds`` before ``heard``, where ``seconds`` is a number of seconds a worker could mean."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < 1e7:
+        return None
+    return heard - float(seconds)

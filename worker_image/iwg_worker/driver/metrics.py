@@ -103,6 +103,22 @@ class DriverMetrics:
             "answer of a held request (0 before any)",
             registry=r,
         )
+        self.activation_phase_seconds = Histogram(
+            "iwg_activation_phase_seconds",
+            "Each activation's time to first answer in its parts (phase): pod_start (first request held to the "
+            "worker process's start: scheduling, image, container), worker_start (to its model load's start: "
+            "imports, device), model_load, ready (to serving: sockets, hello, the driver reaching it), "
+            "first_answer (serving to the first answer: the first batch or engine step)",
+            ["phase"],
+            buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0),
+            registry=r,
+        )
+        self.last_activation_phase_seconds = Gauge(
+            "iwg_last_activation_phase_seconds",
+            "The latest activation's time to first answer in its parts (phase, as iwg_activation_phase_seconds)",
+            ["phase"],
+            registry=r,
+        )
         self.last_activation_time = Gauge(
             "iwg_last_activation_timestamp_seconds",
             "When the latest activation's first answer came, Unix time (0 before any)",

@@ -76,6 +76,16 @@ class MembershipEvent:
 MembershipListener = Callable[[MembershipEvent], None]
 
 
+@dataclass(frozen=True)
+class ReplicaStartup:
+    """When a replica's worker (its rank 0) started, began loading its model and had loaded it, on this driver's
+    monotonic clock (from what the worker's hello said; None where it did not say)."""
+
+    process_started: float | None
+    load_began: float | None
+    load_done: float | None
+
+
 class ReplicaPool(Protocol):
     """The replicas of one group. Replica ids are the group's replica indices (0..R-1)."""
 
@@ -112,6 +122,10 @@ class ReplicaPool(Protocol):
 
     async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
         """`replica`'s engine counts: requests_running, requests_waiting, kv_cache_usage, ..."""
+        ...
+
+    def startup(self, replica: int) -> ReplicaStartup | None:
+        """How `replica`'s worker started (None: not known), for the cold start's parts."""
         ...
 
     async def close(self) -> None: ...

@@ -114,7 +114,9 @@ class Driver:
             policy=config.routing_policy,
             load_bound=config.load_bound,
         )
-        self.activation = Activation(self.router, self.metrics, config.activation_timeout_s, config.max_queue)
+        self.activation = Activation(
+            self.router, self.metrics, config.activation_timeout_s, config.max_queue, pool.startup
+        )
         self.generations = GenerationService(
             pool,
             self.router,

@@ -31,6 +31,7 @@ from iwg_worker.driver.pool import (
     MembershipListener,
     ReplicaFailure,
     ReplicaPool,
+    ReplicaStartup,
     ReplicaState,
 )
 from iwg_worker.driver.service import Driver
@@ -98,6 +99,9 @@ class ZeroPool:
 
     async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
         return await self._current().engine_stats(replica, timeout)
+
+    def startup(self, replica: int) -> ReplicaStartup | None:
+        return self._inner.startup(replica) if self._inner is not None else None
 
     async def close(self) -> None:
         self.closed = True
