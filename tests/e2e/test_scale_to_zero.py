@@ -27,7 +27,7 @@ from tests.nodeagent.fixture import NodeAgentProcess
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 IDLE_S = 6
-REQUESTS = 8
+REQUESTS = 32
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 

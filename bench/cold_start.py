@@ -1,0 +1,150 @@
+"""Issue 25's cold start: a group at zero replicas answers its first request; the time to that answer in its parts.
+
+    python -m bench.cold_start [--groups minilm,smollm2-transformers,smollm2-vllm] [--runs 5] [--idle 2]
+
+Per group, one `iwg serve` at zero replicas (spec.autoscaling enabled, minReplicas 0, scaleToZeroAfterSeconds
+``--idle``), then ``--runs`` activations one after another: one request (an embedding, or a 16-token greedy chat
+completion) sent with no replica running, its time to answer measured by the client, and the driver's split of
+that activation read from its metrics (`iwg_last_activation_phase_seconds{phase}`: pod_start, worker_start,
+model_load, ready, first_answer; docs/driver.md); then the group is left idle until its workers are gone. Printed:
+each run, then per group the median (p50) of the whole and of each part. The baseline in the same run is the
+same group started with one replica from the start (`iwg serve` process start to ready): what a cold start
+costs beyond that is the activation's own (the autoscaler's reaction, the held request's way).
+
+SmolLM2 loads from its converted directory; vLLM runs eager. Figures need a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from tests.iwg_worker.driver.conftest import ROOT, free_port, minilm_path, stop, subprocess_env, wait_http
+from tests.models import smollm2_manifest
+
+PHASES = ("pod_start", "worker_start", "model_load", "ready", "first_answer")
+GROUPS = ("minilm", "smollm2-transformers", "smollm2-vllm")
+
+
+def manifest(group: str, replicas: int, idle_s: float) -> dict[str, Any]:
+    if group == "minilm":
+        out: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "minilm.yaml").read_text())
+        out["spec"]["model"]["path"] = minilm_path()
+    else:
+        out = smollm2_manifest(engine=group.removeprefix("smollm2-"))
+    out["spec"]["replicas"] = replicas
+    out["spec"]["autoscaling"] = {
+        "enabled": True,
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "metric": "queueDepth",
+        "target": 4,
+        "scaleToZeroAfterSeconds": idle_s,
+    }
+    return out
+
+
+def start(group: str, replicas: int, idle_s: float, tmp: Path) -> tuple[subprocess.Popen[bytes], str, float]:
+    path = tmp / f"{group}-{replicas}.yaml"
+    path.write_text(yaml.safe_dump(manifest(group, replicas, idle_s)))
+    port = free_port()
+    log = tmp / f"{group}-{replicas}.log"
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "iwg_worker.cli", "serve", str(path), "--port", str(port)],
+            cwd=ROOT,
+            env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/readyz", process, 600, log)
+    return process, url, time.monotonic() - started
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {n: float(v) for n, _, v in (line.rpartition(" ") for line in lines if line and line[0] != "#")}
+
+
+def ask(url: str, group: str) -> None:
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    if group == "minilm":
+        api.embeddings.create(
+            model="all-MiniLM-L6-v2", input="Kubernetes schedules pods onto nodes with free GPUs."
+        )
+    else:
+        question: Any = [{"role": "user", "content": "What is the capital of France?"}]
+        api.chat.completions.create(model="smollm2", messages=question, max_tokens=16, temperature=0)
+
+
+def idle(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until the group's workers are gone (scaled back to zero)."""
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process(process.pid).children(recursive=True):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the replica did not stop after the idle window")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", default=",".join(GROUPS))
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--idle", type=float, default=2.0, help="scaleToZeroAfterSeconds")
+    args = parser.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {psutil.getloadavg()[0]:.1f}")
+    print("| group | run | first answer s (client) | " + " | ".join(PHASES) + " |")
+    print("|---|---|---|" + "---|" * len(PHASES), flush=True)
+    summary = []
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        for group in args.groups.split(","):
+            for _ in range(2):  # the baseline, a replica from the start: the second start (caches warm)
+                process, url, baseline = start(group, 1, args.idle, tmp)
+                stop(process)
+            process, url, _ = start(group, 0, args.idle, tmp)
+            totals: list[float] = []
+            parts: dict[str, list[float]] = {p: [] for p in PHASES}
+            try:
+                for run in range(args.runs):
+                    idle(process, args.idle + 120)
+                    sent = time.monotonic()
+                    ask(url, group)
+                    totals.append(time.monotonic() - sent)
+                    seen = metrics(url)
+                    row = [seen.get(f'iwg_last_activation_phase_seconds{{phase="{p}"}}', 0.0) for p in PHASES]
+                    for phase, seconds in zip(PHASES, row, strict=True):
+                        parts[phase].append(seconds)
+                    cells = " | ".join(f"{s:.2f}" for s in row)
+                    print(f"| {group} | {run + 1} | {totals[-1]:.2f} | {cells} |", flush=True)
+            finally:
+                stop(process)
+            medians = " | ".join(f"{statistics.median(parts[p]):.2f}" for p in PHASES)
+            summary.append(f"| {group} | {statistics.median(totals):.2f} | {medians} | {baseline:.2f} |")
+    print(
+        "\n| group | p50 first answer s | "
+        + " | ".join(f"p50 {p}" for p in PHASES)
+        + " | baseline: start to ready |"
+    )
+    print("|---|---|" + "---|" * len(PHASES) + "---|")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
