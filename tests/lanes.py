@@ -40,20 +40,13 @@ LANE_ENV = "IWG_TEST_LANE"
 NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
 # its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
-# Two driver modules (several MiniLM or SmolLM2 groups of their own, about five minutes) run in the worker lane,
-# which ended 10-12 minutes before the engine lane.
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("e2e", True, ("e2e/",)),
     ("cluster", True, ("",)),
-    (
-        "worker",
-        False,
-        ("iwg_worker/driver/test_driver_restart.py", "iwg_worker/driver/test_driver_cache_routing.py"),
-    ),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),
     ("worker", False, ("",)),
 )
-LANES = ("e2e", "cluster", "engine", "worker")
+LANES = tuple(dict.fromkeys(lane for lane, _cluster, _paths in RULES))
 # Four lanes on two cores: an OpenMP thread (torch, vLLM's CPU kernels) that spins while it waits for the rest
 # of its team holds a core another lane's process needs. Waiting passively: the transformers engine's
 # 32-schema test took 87 s beside three busy processes, against 240 s spinning (94 s with one thread; 29 s

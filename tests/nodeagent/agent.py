@@ -578,7 +578,10 @@ class NodeAgent:
         ]
         await asyncio.gather(self.pods.synced.wait(), self.services.synced.wait(), self.slices.synced.wait())
         if ready_file is not None:
-            ready_file.write_text(
+            # Written whole, then renamed into place: the fixture reads it the moment it exists (it once read
+            # an empty file, created but not yet written).
+            partial = ready_file.with_name(f".{ready_file.name}.partial")
+            partial.write_text(
                 json.dumps(
                     {
                         "pid": os.getpid(),
@@ -590,6 +593,7 @@ class NodeAgent:
                     }
                 )
             )
+            partial.replace(ready_file)
         log.info("node agent ready: nodes %s, subnet %s", self.config.nodes, self.bridge.subnet)
         await stop.wait()
         for task in tasks:
