@@ -115,3 +115,42 @@ def test_auto_is_offered_only_where_the_template_renders_tools_as_hermes_blocks(
     smollm2_own = load_tokenizer(model_source(smollm2_dir())).chat_template
     assert tool_call_format(smollm2_own) is None
     assert tool_call_format(None) is None
+
+
+def test_auto_keeps_the_tags_a_tokenizer_has_as_special_tokens_in_that_requests_text_only() -> None:
+    """A tokenizer with <tool_call> and </tool_call> as special tokens (as some Hermes models have them): a
+    tool_choice auto request's text keeps them, so the driver can find the calls; any other request's text
+    skips them, as it skips every special token."""
+    import dataclasses
+
+    import yaml
+    from iwg_worker.engine.front import RequestFront
+    from iwg_worker.engine.requests import GenerationRequest
+
+    from tests.models import ROOT
+
+    tokenizer = load_tokenizer(model_source(smollm2_dir()))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.chat_template = yaml.safe_load((ROOT / "examples" / "smollm2-tools.yaml").read_text())["spec"][
+        "model"
+    ]["chatTemplate"]
+
+    class Front(RequestFront):
+        is_driver = True
+
+        def _admit(self, request: GenerationRequest) -> None:
+            pass
+
+    front = Front()
+    front.tokenizer, front.eos_token_ids = tokenizer, frozenset({2})
+    call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    ids = list(tokenizer(call, add_special_tokens=False)["input_ids"])
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids  # one special token, not its characters
+    plain = GenerationRequest("plain", (1,))
+    auto = front._with_tools(dataclasses.replace(plain, request_id="auto", tools_auto=True))
+    texts = {}
+    for request in (plain, auto):
+        item, _ = front._stream(request).update(ids, True, None)
+        assert item is not None
+        texts[request.request_id] = item["text"]
+    assert texts == {"plain": '{"name": "get_weather", "arguments": {}}', "auto": call}
