@@ -123,14 +123,14 @@ FAILURE_MESSAGE_CHARS = 1024
 
 def termination_failure(container_statuses: list[Mapping[str, Any]]) -> str | None:
     """Why a container ended with an error (now, else last time): from its termination message (the worker's
-    own, or the end of its log), the last line that says why its start failed, else the last line; None when
-    no container failed."""
+    own, or the end of its log), the last line that says why its start failed, else the last line with words
+    in it (not a rule of dashes a traceback printer drew); None when no container failed."""
     for container in container_statuses:
         for key in ("state", "lastState"):
             terminated = (container.get(key) or {}).get("terminated") or {}
             if terminated and terminated.get("exitCode") not in (0, None):
                 lines = [line.strip() for line in str(terminated.get("message") or "").splitlines()]
-                lines = [line for line in lines if line]
+                lines = [line for line in lines if any(c.isalnum() for c in line)]
                 marked = [line for line in lines if wiring.START_FAILURE_PREFIX in line]
                 if marked:
                     why = wiring.START_FAILURE_PREFIX + marked[-1].split(wiring.START_FAILURE_PREFIX, 1)[1]

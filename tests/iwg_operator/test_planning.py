@@ -285,6 +285,9 @@ def test_observe_pod_reads_why_its_worker_ended_with_an_error() -> None:
     assert observed is not None and observed.failure == f"worker failed to start: {REFUSAL}"
     silent = body(state={"terminated": {"exitCode": 137}})
     assert observe_pod(silent).failure == "exited with code 137"  # type: ignore[union-attr]
+    # No marked line: the last line that says something, not the rule a log printer drew under it.
+    ruled = body(state={"terminated": {"exitCode": 1, "message": "RuntimeError: out of memory\n-----\n  \n"}})
+    assert observe_pod(ruled).failure == "RuntimeError: out of memory"  # type: ignore[union-attr]
     done = body(state={"running": {}}, lastState={"terminated": {"exitCode": 0, "message": "bye"}})
     assert observe_pod(done).failure is None  # type: ignore[union-attr]
 

@@ -167,6 +167,11 @@ STREAM_ITEM_KEYS: Final = frozenset(
 STREAM_ITEM_OPTIONAL_KEYS: Final = frozenset({"error_code"})
 REPLICA_FAILURE: Final = "replica_failure"
 
+# Tool-call formats a worker names in its admission answer (``tool_call_format``) and the driver reads back:
+# ``hermes``, calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the text.
+HERMES: Final = "hermes"
+HERMES_TAGS: Final = ("<tool_call>", "</tool_call>")
+
 _KEYS: Final[dict[str, frozenset[str]]] = {
     "call": frozenset({"kind", "id", "method", "args", "kwargs", "reply_rank", "deadline"}),
     "reply": frozenset({"kind", "id", "replica", "rank", "ok", "result", "error"}),

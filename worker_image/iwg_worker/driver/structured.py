@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import jsonschema
 
 from iwg_worker.driver.openai_api import ApiError, ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from iwg_worker.protocol import HERMES, HERMES_TAGS
 
 MAX_SCHEMA_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in a schema (vLLM's own bound)
@@ -247,8 +248,7 @@ class ToolCallReader:
         return pos
 
 
-HERMES = "hermes"
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_OPEN, _CLOSE = HERMES_TAGS
 
 
 @dataclass(slots=True)

@@ -17,9 +17,7 @@ from typing import Any
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected, parse_request
 from iwg_worker.engine.streams import RequestStream
 from iwg_worker.engine.structured import SchemaCompiler
-
-HERMES = "hermes"
-HERMES_TAGS = ("<tool_call>", "</tool_call>")
+from iwg_worker.protocol import HERMES, HERMES_TAGS
 
 
 def tool_call_format(chat_template: str | None) -> str | None:
