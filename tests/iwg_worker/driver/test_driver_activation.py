@@ -8,8 +8,10 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from iwg_worker.driver.activation import activation_phases
@@ -198,3 +200,67 @@ def test_parts_before_the_first_request_held_count_as_none() -> None:
     parts = dict(activation_phases(10.0, started, 12.0, 12.5))
     assert parts == {"pod_start": 0, "worker_start": 0, "model_load": 0, "ready": 2.0, "first_answer": 0.5}
     assert dict(activation_phases(10.0, None, 12.0, 12.5)) == {"first_answer": 0.5}
+
+
+async def _stopping_driver_with_held_requests(
+    serve_during_lame_duck: bool,
+) -> tuple[list[tuple[int | None, str]], float, FakePool]:
+    """`run_driver` (the driver's own server) at zero holding one embedding and two completions (one
+    streamed), then told to stop: a replica serving during its lame duck, or none."""
+    from iwg_worker.driver.server import run_driver
+
+    from tests.iwg_worker.driver.test_driver_routing import BASE
+
+    pool = at_zero()
+    config = replace(BASE, task="generate", activation_timeout_s=60.0)
+    driver = Driver(config, pool)
+    stop, listening = asyncio.Event(), asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(
+        run_driver(
+            driver, "127.0.0.1", 0, None, stop=stop, on_listening=listening.set_result,
+            drain_timeout_s=1.0, lame_duck_s=0.5, signals=(),
+        )
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{await listening}"
+
+    async def ask(prompt: str, stream: bool) -> tuple[int | None, str]:
+        body = {"model": "minilm", "prompt": prompt, "max_tokens": 8, "stream": stream}
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{url}/v1/completions", json=body) as r,
+            ):
+                return r.status, (await r.read()).decode()
+        except aiohttp.ClientError as error:  # the connection closed under it: a client retries that
+            return None, type(error).__name__
+
+    asks = [asyncio.create_task(ask(f"held-{i}", stream=i == 1)) for i in range(3)]
+    await until(lambda: waiting(driver) == 3)
+    stopped = time.monotonic()
+    stop.set()
+    if serve_during_lame_duck:
+        await asyncio.sleep(0.2)
+        pool.set_state(0, ReplicaState.SERVING)
+    results = await asyncio.wait_for(asyncio.gather(*asks), 10)
+    took = time.monotonic() - stopped
+    await asyncio.wait_for(server, 10)
+    return results, took, pool
+
+
+async def test_a_driver_told_to_stop_while_holding_requests_serves_them_if_a_replica_comes_in_time() -> None:
+    """A driver pod deleted (a drain, a rollout) while it holds requests at zero: the replica being started
+    for them joins it during its lame duck, and it answers them."""
+    results, _, pool = await _stopping_driver_with_held_requests(serve_during_lame_duck=True)
+    assert [status for status, _ in results] == [200, 200, 200], results
+    assert results[1][1].endswith("data: [DONE]\n\n")  # the streamed one, as events
+    assert sorted(r["prompt"] for r in pool.replicas[0].requests) == ["held-0", "held-1", "held-2"]
+
+
+async def test_a_driver_that_stops_with_no_replica_come_gives_its_held_requests_back_for_retry() -> None:
+    """No replica came before the driver's lame duck and drain ended: each held request is answered 503
+    `driver_stopping` with Retry-After (the openai client retries it, reaching a driver that still runs),
+    not left hanging until the process ends."""
+    results, took, _ = await _stopping_driver_with_held_requests(serve_during_lame_duck=False)
+    assert [status for status, _ in results] == [503, 503, 503], results
+    assert all('"driver_stopping"' in text for _, text in results), results
+    assert 0.5 + 1.0 <= took < 0.5 + 1.0 + 2.0, took

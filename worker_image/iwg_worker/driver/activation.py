@@ -67,6 +67,7 @@ class Activation:
         self._released_at = 0.0  # when that release came (a replica serving)
         self._startup: ReplicaStartup | None = None  # how the replica serving then started
         self._watchers: set[asyncio.Future[None]] = set()
+        self._given_back: str | None = None  # why this driver holds nothing more (it is stopping)
         router.add_listener(self._release)
 
     @property
@@ -90,6 +91,8 @@ class Activation:
             return None
         if not self.enabled:
             return None  # the request's own path answers 503 no_replica (after the router's grace)
+        if self._given_back is not None:
+            raise _given_back_error(self._given_back)
         if len(self._waiters) >= self.max_waiting:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise queue_full_error(f"{len(self._waiters)} requests held while a replica starts")
@@ -118,6 +121,21 @@ class Activation:
             self._waiters = deque(w for w in self._waiters if w[1] is not waiter)
             self._publish()
         return arrived
+
+    def give_back(self, why: str) -> int:
+        """Answer every held request, and any that would be held from now on, 503 with ``Retry-After: 1``
+        (code ``driver_stopping``: a client that retries, as the openai client does, reaches a driver still
+        serving, which holds it again), instead of keeping it until this driver's process ends and cuts it.
+        The driver calls it when it stops with requests still held. Returns how many were held."""
+        self._given_back = why
+        held = 0
+        while self._waiters:
+            _, waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(_given_back_error(why))
+                held += 1
+        self._publish()
+        return held
 
     async def watch(self, wait_s: float) -> int:
         """The number of requests held: at once when any is, else as soon as one is, or 0 after `wait_s`
@@ -170,6 +188,17 @@ class Activation:
 
     def _publish(self) -> None:
         self.metrics.activation_waiting.set(len(self._waiters))
+
+
+def _given_back_error(why: str) -> ApiError:
+    return ApiError(
+        503,
+        f"This driver is stopping ({why}) and no replica served the request it held; retry, and another "
+        "driver of the group holds it.",
+        type="service_unavailable",
+        code="driver_stopping",
+        headers={"Retry-After": "1"},
+    )
 
 
 def activation_phases(

@@ -5,7 +5,9 @@ From the signal on, every answer says `Connection: close`, so a client that keep
 connection (through a Service: to another driver) after its current request instead of finding its kept-alive
 connection closed under a request it just sent. `lame_duck_s` keeps serving that long before the listener
 closes and idle connections are closed (`iwg-driver` uses it; in a cluster the Service also needs a moment to
-stop sending new connections to a pod being deleted).
+stop sending new connections to a pod being deleted). Requests held for a replica (a group at zero) are held
+through both: a replica that starts meanwhile serves them; those still held when the drain ends are answered
+503 ``driver_stopping`` with ``Retry-After`` (activation.py), which a client retries on another driver.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from iwg_worker.driver.app import build_app
 from iwg_worker.driver.service import Driver
 
 log = logging.getLogger(__name__)
+
+HANDED_BACK_S = 2.0  # for the answers of requests given back at the end of the drain to be written
 
 
 async def run_driver(
@@ -74,8 +78,21 @@ async def run_driver(
     finally:
         # Stop accepting connections, let admitted requests finish, then stop the dispatcher and the pool.
         await runner.shutdown()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(runner.cleanup(), drain_timeout_s)
+        cleanup = asyncio.ensure_future(runner.cleanup())
+        await asyncio.wait({cleanup}, timeout=drain_timeout_s)
+        if not cleanup.done():
+            # Requests still held for a replica that did not come: answered 503 (a client retries it on
+            # a driver that still runs) while their connections are open, not cut when the process ends.
+            held = driver.activation.give_back("its pod is being deleted or restarted")
+            if held:
+                log.warning(
+                    "stopping with %d requests held for a replica: answered 503 driver_stopping", held
+                )
+            await asyncio.wait({cleanup}, timeout=HANDED_BACK_S)
+        if not cleanup.done():
+            cleanup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cleanup
         await driver.stop()
         await driver.pool.close()
         for sig in signals:
