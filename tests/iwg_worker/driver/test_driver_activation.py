@@ -244,6 +244,8 @@ async def _stopping_driver_with_held_requests(
     results = await asyncio.wait_for(asyncio.gather(*asks), 10)
     took = time.monotonic() - stopped
     await asyncio.wait_for(server, 10)
+    given_back = metric(driver, "iwg_rejected_requests_total", {"reason": "driver_stopping"})
+    assert given_back == (0 if serve_during_lame_duck else 3)
     return results, took, pool
 
 

@@ -92,6 +92,7 @@ class Activation:
         if not self.enabled:
             return None  # the request's own path answers 503 no_replica (after the router's grace)
         if self._given_back is not None:
+            self.metrics.rejected.labels(reason="driver_stopping").inc()
             raise _given_back_error(self._given_back)
         if len(self._waiters) >= self.max_waiting:
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -134,6 +135,7 @@ class Activation:
             if not waiter.done():
                 waiter.set_exception(_given_back_error(why))
                 held += 1
+        self.metrics.rejected.labels(reason="driver_stopping").inc(held)
         self._publish()
         return held
 
