@@ -2,11 +2,12 @@
 
     python -m bench.routing [--engine transformers|vllm] [--systems 8] [--system-tokens 1000] [--users 64]
                             [--turns 4] [--rate 4] [--output-tokens 32] [--policies cacheAware,leastLoaded]
-                            [--kv-blocks 2048] [--log-dir DIR]
+                            [--kv-blocks 2048] [--rounds 2] [--log-dir DIR]
     python -m bench.routing --micro [--replicas 2] [--open-streams 64]
 
 Workload: `iwg serve` of SmolLM2-135M-Instruct (its converted directory) with 2 replicas, started once per
-policy (one after the other, each with the machine to itself). ``--users`` users arrive at a fixed rate
+policy and round (one after the other, each with the machine to itself; ``--rounds`` rounds, every other one
+in the reverse order, since the first server of a run was the slowest whichever policy it served). ``--users`` users arrive at a fixed rate
 (``--rate`` per second); user u talks to system prompt u mod ``--systems`` (each about ``--system-tokens``
 tokens of text of its own) and has ``--turns`` turns, each a streamed chat completion of ``--output-tokens``
 tokens (greedy, end-of-sequence ignored) whose answer joins the conversation before the next turn.
@@ -153,44 +154,70 @@ def start(policy: str, args: argparse.Namespace, tmp: Path) -> Any:
     return launch(f"iwg-{policy}", argv, env, tmp / f"iwg-{policy}.log", "/readyz", 900.0)
 
 
-def table_row(run: PolicyRun) -> str:
+def table_row(run: PolicyRun, round_: str) -> str:
     def ms(values: list[float], q: float) -> str:
         return f"{1000 * pct(values, q):.0f}"
 
     decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.decisions.items()))
     return (
-        f"| {run.policy} | {ms(run.ttft_first, 0.5)} / {ms(run.ttft_first, 0.99)} | "
+        f"| {run.policy} | {round_} | {ms(run.ttft_first, 0.5)} / {ms(run.ttft_first, 0.99)} | "
         f"{ms(run.ttft_returning, 0.5)} / {ms(run.ttft_returning, 0.99)} | {run.tokens / run.seconds:.1f} | "
         f"{run.hit_rate:.2f} | {run.returning_hit_rate:.2f} | {decisions} |"
     )
 
 
+def pooled(runs: list[PolicyRun]) -> PolicyRun:
+    """One policy's rounds as one run: their samples together, rates averaged, decisions summed."""
+    out = PolicyRun(runs[0].policy)
+    for run in runs:
+        out.ttft_first += run.ttft_first
+        out.ttft_returning += run.ttft_returning
+        out.tokens += run.tokens
+        out.seconds += run.seconds
+        for key, value in run.decisions.items():
+            out.decisions[key] = out.decisions.get(key, 0.0) + value
+    out.hit_rate = sum(r.hit_rate for r in runs) / len(runs)
+    out.returning_hit_rate = sum(r.returning_hit_rate for r in runs) / len(runs)
+    return out
+
+
 def serve_bench(args: argparse.Namespace) -> None:
-    runs: list[PolicyRun] = []
+    rounds: list[list[PolicyRun]] = []
+    policies = args.policies.split(",")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.log_dir or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        for policy in args.policies.split(","):
-            server = start(policy, args, tmp)
-            try:
-                print(f"{policy}: started in {server.startup_s:.1f} s", flush=True)
-                run = PolicyRun(policy)
-                asyncio.run(workload(server.url, args, run))
-                runs.append(run)
-            finally:
-                stop(server)
+        for number in range(args.rounds):
+            # Every other round in the reverse order: the first server of a run here was the slowest
+            # whichever policy it had (the machine's memory first touched), so one order favours the second.
+            order = policies if number % 2 == 0 else policies[::-1]
+            rounds.append([])
+            for policy in order:
+                server = start(policy, args, tmp)
+                try:
+                    print(f"round {number + 1}, {policy}: started in {server.startup_s:.1f} s", flush=True)
+                    run = PolicyRun(policy)
+                    asyncio.run(workload(server.url, args, run))
+                    rounds[-1].append(run)
+                finally:
+                    stop(server)
     print(
         f"\n{args.users} users x {args.turns} turns, {args.systems} system prompts of ~{args.system_tokens} tokens, "
-        f"{args.rate}/s arrivals, {args.output_tokens} output tokens, {REPLICAS} replicas, {args.engine}\n"
+        f"{args.rate}/s arrivals, {args.output_tokens} output tokens, {REPLICAS} replicas, {args.engine}, "
+        f"{args.kv_blocks} KV blocks a replica, {args.rounds} rounds (every other one in the reverse order)\n"
     )
     print(
-        "| policy | TTFT p50 / p99 first turns (ms) | returning turns (ms) | output tok/s | hit rate | "
+        "| policy | round | TTFT p50 / p99 first turns (ms) | returning turns (ms) | output tok/s | hit rate | "
         "returning hit rate | routed (replica:reason) |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for run in runs:
-        print(table_row(run))
-    by = {r.policy: r for r in runs}
+    print("|---|---|---|---|---|---|---|---|")
+    for number, runs in enumerate(rounds):
+        for run in runs:
+            print(table_row(run, f"{number + 1} ({runs.index(run) + 1}. of {len(runs)})"))
+    by = {p: pooled([run for runs in rounds for run in runs if run.policy == p]) for p in policies}
+    if len(rounds) > 1:
+        for run in by.values():
+            print(table_row(run, "all"))
     if "cacheAware" in by and "leastLoaded" in by:
         ca, ll = by["cacheAware"], by["leastLoaded"]
         all_ttft = ca.ttft_first + ca.ttft_returning, ll.ttft_first + ll.ttft_returning
@@ -270,6 +297,9 @@ def main() -> None:
     parser.add_argument("--policies", default="cacheAware,leastLoaded")
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs of every policy, every other one reversed"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="--micro: replicas to choose among")
     parser.add_argument("--open-streams", type=int, default=64, help="--micro: requests open meanwhile")
     parser.add_argument("--seconds", type=float, default=3.0, help="--micro: how long to measure")
