@@ -83,7 +83,7 @@ async def run_driver(
         if not cleanup.done():
             # Requests still held for a replica that did not come: answered 503 (a client retries it on
             # a driver that still runs) while their connections are open, not cut when the process ends.
-            held = driver.activation.give_back("its pod is being deleted or restarted")
+            held = driver.activation.give_back("it was told to stop")
             if held:
                 log.warning(
                     "stopping with %d requests held for a replica: answered 503 driver_stopping", held
