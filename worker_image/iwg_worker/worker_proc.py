@@ -14,8 +14,9 @@ Stopping. SIGINT (and a local executor's shutdown, or its death: `parent_watch`)
 a goodbye is sent, the process exits 0. SIGTERM (an evicted or deleted pod) drains first, as a generation
 server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
 the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
-streams) until its replica runs no generation request, or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has
-passed, when what still runs is cut; then the goodbye, exit 0. A worker without a generation engine (one call
+streams) until its replica runs no generation request and two heartbeat intervals have passed (what a driver
+sent before it read the news runs too), or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has passed, when what
+still runs is cut; then the goodbye, exit 0. A worker without a generation engine (one call
 at a time) stops after its in-flight call, as on SIGINT.
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
@@ -82,6 +83,10 @@ MAX_BACKLOG = 1024  # messages a link holds for a driver that is slow to take th
 BACKLOG_RETRY_S = 0.005  # how soon the output thread tries a backlog again
 CLOSE_FLUSH_S = 1.0  # how long a closing worker keeps trying to hand its backlogs (goodbyes) to live drivers
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its replica still runs anything
+# A draining worker stays at least this many heartbeat intervals, even with nothing running: a request a driver
+# sent before it read the draining heartbeat still arrives (on a sharded replica at rank 0, which tells the
+# other ranks at its next step) and must run to its end, not be cut by this rank's goodbye.
+DRAIN_SETTLE_HEARTBEATS = 2
 
 
 def process_age_s() -> float | None:
@@ -325,6 +330,7 @@ class WorkerProc:
         # SIGTERM's drain: asked for (set by the signal handler alone), started (its deadline, busy loop).
         self._drain_requested = False
         self._drain_deadline: float | None = None
+        self._drain_settled_at = 0.0  # before it, a drain does not end even with nothing running
         self._drain_check_at = 0.0
         self._beat_now = False  # the output thread sends a heartbeat at its next turn (the drain's news)
         self._loop_tick = time.monotonic()
@@ -951,7 +957,7 @@ class WorkerProc:
             return True
         self._drain_check_at = now + DRAIN_POLL_S
         running = self._running_requests()
-        if running and now < self._drain_deadline:
+        if (running or now < self._drain_settled_at) and now < self._drain_deadline:
             return True
         if running:
             log.warning(
@@ -969,7 +975,9 @@ class WorkerProc:
             log.info("SIGTERM: no generation requests to drain; leaving")
             self._stopping.set()  # one call at a time: the busy loop is between calls, so it leaves now
             return
-        self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        now = time.monotonic()
+        self._drain_deadline = now + self.config.drain_timeout_s
+        self._drain_settled_at = now + DRAIN_SETTLE_HEARTBEATS * self.config.heartbeat_interval_s
         self._beat_now = True  # tell the drivers now, not at the next heartbeat
         self._wake.set()
         log.info(
