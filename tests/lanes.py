@@ -40,10 +40,7 @@ LANE_ENV = "IWG_TEST_LANE"
 NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
 # its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
-# The node drains (both groups move twice: mostly waits for budgets and rebuilt replicas, 5-8 minutes) wait
-# beside the other cluster tests, which end minutes before the e2e lane.
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("cluster", True, ("e2e/test_drain.py",)),
     ("e2e", True, ("e2e/",)),
     ("cluster", True, ("",)),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),

@@ -15,8 +15,7 @@ from tests import lanes
 @pytest.mark.parametrize(
     ("path", "cluster", "lane"),
     [
-        ("e2e/test_drain.py", True, "cluster"),
-        ("e2e/test_scale_to_zero.py", True, "e2e"),
+        ("e2e/test_drain.py", True, "e2e"),
         ("e2e/test_selfheal.py", True, "e2e"),
         ("realnodes/test_real_nodes.py", True, "cluster"),
         ("iwg_operator/test_quiet_cluster.py", True, "cluster"),
