@@ -1,12 +1,10 @@
 """`WorkerProc` in real `iwg-worker` processes, over real ZMQ: its links to several drivers are independent (an
-unreachable driver costs a healthy one nothing), cancelled generation requests leave nothing behind, and a
-drain serves a request that comes just after it began."""
+unreachable driver costs a healthy one nothing), and cancelled generation requests leave nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -33,8 +31,9 @@ def worker_metric(port: int, name: str) -> float:
 
 
 def health_port(worker_log: Path) -> int:
-    """The worker's health port, from its start line."""
-    deadline = time.monotonic() + 30
+    """The worker's health port, from its start line (printed once its model is loaded: under the suite's load
+    a start took past 30 s once)."""
+    deadline = time.monotonic() + 120
     while not (found := re.findall(r"health on :(\d+)", worker_log.read_text(errors="replace"))):
         assert time.monotonic() < deadline, worker_log.read_text(errors="replace")[-2000:]
         time.sleep(0.1)
@@ -189,45 +188,5 @@ async def test_1000_cancelled_streams_leave_no_entries_and_no_engine_streams(tin
         assert tracked == 0
         assert stats["streams"] == 0 and stats["requests_running"] == 0 and stats["requests_waiting"] == 0
         assert stats["kv_cache_blocks_used"] == 0
-    finally:
-        executor.shutdown()
-
-
-# -- drain ----------------------------------------------------------------------------------------------------
-
-
-async def test_a_request_that_comes_just_after_a_drain_began_runs_to_its_end(tiny_gpt2: Path) -> None:
-    """A driver that sent a request before it read a worker's draining heartbeat (SIGTERM) still gets it to the
-    replica: the idle worker does not leave at once (before, it left within a poll, 0.05 s, and such a request
-    was cut, after its first tokens on a sharded replica whose other rank had left: the world-size 3 drain
-    under load, tests/e2e/test_drain.py), but runs it whole and then says goodbye and exits 0."""
-    executor = MultiprocExecutor(
-        WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu", engine="transformers"),
-        heartbeat_interval_s=0.5,
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-        extra_env={"OMP_NUM_THREADS": "1"},
-    )
-
-    async def tokens(request_id: str) -> tuple[int, str | None]:
-        request = {"id": request_id, "prompt_ids": [5, 17, 42], "max_tokens": 40, "ignore_eos": True}
-        stream, answer = await executor.open_stream(request, replica=0, timeout=30)
-        assert answer["ok"], answer
-        items = [item async for item in stream]
-        return sum(len(item["tokens"]) for item in items), items[-1]["finish_reason"]
-
-    try:
-        (worker,) = executor.processes
-        assert await tokens("first") == (
-            40,
-            "length",
-        )  # serving: past its start (SIGTERM there just stops it)
-        worker.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        # The draining heartbeat read (what a driver then knows), or the worker already gone.
-        while 0 not in executor.draining_replicas() and worker.process.poll() is None:
-            assert time.monotonic() < deadline, worker.log_tail(30)
-            await asyncio.sleep(0.01)
-        assert await tokens("late") == (40, "length")
-        assert await asyncio.to_thread(worker.process.wait, 30) == 0, worker.log_tail(30)
     finally:
         executor.shutdown()

@@ -14,8 +14,8 @@ Stopping. SIGINT (and a local executor's shutdown, or its death: `parent_watch`)
 a goodbye is sent, the process exits 0. SIGTERM (an evicted or deleted pod) drains first, as a generation
 server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
 the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
-streams) until its replica runs no generation request and two heartbeat intervals have passed (what a driver
-sent before it read the news runs too), or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has passed, when what
+streams) until its replica runs no generation request and, on a sharded replica, two heartbeat intervals
+have passed (what a driver sent before it read the news runs too), or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has passed, when what
 still runs is cut; then the goodbye, exit 0. A worker without a generation engine (one call
 at a time) stops after its in-flight call, as on SIGINT.
 
@@ -83,9 +83,11 @@ MAX_BACKLOG = 1024  # messages a link holds for a driver that is slow to take th
 BACKLOG_RETRY_S = 0.005  # how soon the output thread tries a backlog again
 CLOSE_FLUSH_S = 1.0  # how long a closing worker keeps trying to hand its backlogs (goodbyes) to live drivers
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its replica still runs anything
-# A draining worker stays at least this many heartbeat intervals, even with nothing running: a request a driver
-# sent before it read the draining heartbeat still arrives (on a sharded replica at rank 0, which tells the
-# other ranks at its next step) and must run to its end, not be cut by this rank's goodbye.
+# A rank of a sharded replica that drains stays at least this many heartbeat intervals, even with nothing
+# running: a request a driver sent before it read the draining heartbeat still arrives at rank 0 (which tells
+# the other ranks at its next step) and must run to its end, not be cut after its first tokens by this rank's
+# goodbye. An unsharded worker leaves at once: such a request finds it gone before any output and the driver
+# retries it on another replica (a stay there delayed a scale to zero's leaving replica past its undrain).
 DRAIN_SETTLE_HEARTBEATS = 2
 
 
@@ -977,7 +979,8 @@ class WorkerProc:
             return
         now = time.monotonic()
         self._drain_deadline = now + self.config.drain_timeout_s
-        self._drain_settled_at = now + DRAIN_SETTLE_HEARTBEATS * self.config.heartbeat_interval_s
+        if self.config.worker.world_size > 1:
+            self._drain_settled_at = now + DRAIN_SETTLE_HEARTBEATS * self.config.heartbeat_interval_s
         self._beat_now = True  # tell the drivers now, not at the next heartbeat
         self._wake.set()
         log.info(
