@@ -15,9 +15,9 @@ a goodbye is sent, the process exits 0. SIGTERM (an evicted or deleted pod) drai
 server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
 the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
 streams) until its replica runs no generation request and, on a sharded replica, two heartbeat intervals
-have passed (what a driver sent before it read the news runs too), or ``drain_timeout_s`` (`wiring.WORKER_DRAIN_S`) has passed, when what
-still runs is cut; then the goodbye, exit 0. A worker without a generation engine (one call
-at a time) stops after its in-flight call, as on SIGINT.
+have passed (what a driver sent before it read the news runs too), or ``drain_timeout_s``
+(`wiring.WORKER_DRAIN_S`) has passed, when what still runs is cut; then the goodbye, exit 0. A worker without a
+generation engine (one call at a time) stops after its in-flight call, as on SIGINT.
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
 resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
