@@ -1,10 +1,13 @@
 """`WorkerProc` in real `iwg-worker` processes, over real ZMQ: its links to several drivers are independent (an
-unreachable driver costs a healthy one nothing), and cancelled generation requests leave nothing behind."""
+unreachable driver costs a healthy one nothing), cancelled generation requests leave nothing behind, and an idle
+draining rank of a sharded replica stays long enough for a request sent before its drivers knew."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +17,8 @@ import aiohttp
 import pytest
 import torch
 from iwg_operator.api import wiring
+from iwg_worker import worker_proc
+from iwg_worker.executor.base import MembershipEvent
 from iwg_worker.executor.multiproc import MultiprocExecutor, launch_worker
 from iwg_worker.worker_base import WorkerConfig
 
@@ -188,5 +193,76 @@ async def test_1000_cancelled_streams_leave_no_entries_and_no_engine_streams(tin
         assert tracked == 0
         assert stats["streams"] == 0 and stats["requests_running"] == 0 and stats["requests_waiting"] == 0
         assert stats["kv_cache_blocks_used"] == 0
+    finally:
+        executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random two-layer Llama whose heads and MLP split two ways (transformers' tensor-parallel plan)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=127,
+        architectures=["LlamaForCausalLM"],
+    )
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+async def _generate(executor: MultiprocExecutor, request_id: str, max_tokens: int) -> tuple[int, str | None]:
+    """One greedy request on replica 0, read to its end: (tokens received, finish reason)."""
+    request = {"id": request_id, "prompt_ids": [5, 17, 42], "max_tokens": max_tokens, "ignore_eos": True}
+    stream, answer = await executor.open_stream(request, replica=0, timeout=60)
+    assert answer["ok"], answer
+    tokens, finish = 0, None
+    async for item in stream:
+        tokens += len(item["tokens"])
+        finish = item["finish_reason"] or finish
+    return tokens, finish
+
+
+async def test_an_idle_draining_rank_of_a_sharded_replica_stays_for_a_request_sent_before_its_drivers_knew(
+    tiny_llama: Path,
+) -> None:
+    """Rank 1 of an idle two-rank replica gets SIGTERM. A driver that has not yet read its draining heartbeat
+    still sends the replica a request, to both ranks. The rank stays `DRAIN_SETTLE_HEARTBEATS` heartbeat
+    intervals before its goodbye, so it takes the request and leaves once the request is done. Without the
+    stay it left within one drain poll (0.05 s) and the request was cut ("replica 0 lost ranks [1]")."""
+    interval = 1.0
+    executor = MultiprocExecutor(
+        WorkerConfig(task="generate", model_path=str(tiny_llama), device="cpu", engine="transformers"),
+        replicas=1,
+        world_size=2,
+        heartbeat_interval_s=interval,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        extra_env={"OMP_NUM_THREADS": "1"},
+        restart=False,  # the rank that leaves stays gone, as a drained pod does
+    )
+    events: list[MembershipEvent] = []
+    executor.subscribe(events.append)
+    try:
+        assert await _generate(executor, "warm", 8) == (8, "length")
+        (rank1,) = (p for p in executor.processes if p.rank == 1)
+        drained = time.monotonic()
+        os.kill(rank1.process.pid, signal.SIGTERM)
+        await asyncio.sleep(0.3)  # past the drain's poll: without the stay the rank has left by now
+        assert await _generate(executor, "late", 24) == (24, "length"), rank1.log_tail()
+        code = await asyncio.to_thread(rank1.process.wait, 60)
+        stayed = time.monotonic() - drained
+        print(f"rank 1 left {stayed:.2f} s after SIGTERM (code {code})")
+        assert code == 0, rank1.log_tail()
+        assert stayed >= worker_proc.DRAIN_SETTLE_HEARTBEATS * interval * 0.9
+        assert ("draining", 1) in [(e.kind, e.rank) for e in events]
     finally:
         executor.shutdown()

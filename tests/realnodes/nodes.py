@@ -592,9 +592,12 @@ def _make_cgroups(name: str) -> None:
 def _cgroup_pids(name: str) -> set[int]:
     pids: set[int] = set()
     for hierarchy in _hierarchies():
-        for procs in (hierarchy / name).rglob("cgroup.procs") if (hierarchy / name).is_dir() else []:
-            with contextlib.suppress(OSError, ValueError):
-                pids.update(int(p) for p in procs.read_text().split())
+        # os.walk, not rglob: the kubelet and runc remove a container's cgroup while we walk (a FileNotFoundError
+        # out of rglob failed a teardown); os.walk skips a directory that went away.
+        for directory, _dirs, files in os.walk(hierarchy / name):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(p) for p in Path(directory, "cgroup.procs").read_text().split())
     return pids
 
 
