@@ -279,9 +279,11 @@ class Controller:
         if deleted:
             if plural == SECRETS.plural:
                 state.lost_secret = dict(body.get("data") or {})
-        elif state.children_hash != self._children_hash(state, group) or plural == SECRETS.plural:
-            return  # a pass applying this spec is due and looks at every child anyway; the Secret is immutable
+        elif plural == SECRETS.plural:
+            return  # immutable: only its deletion is repaired
         else:
+            # Compared with the current spec's manifest even while a pass for a new spec is due or running: that
+            # pass may have applied this child already, before the edit, and would not look at it again.
             name = str(body.get("metadata", {}).get("name"))
             seen = drift.metadata_digest(body)
             if seen is not None and state.seen_in_sync.get((plural, name)) == seen:
