@@ -74,12 +74,14 @@ def step_up_and_back(
     timeline: ReplicaTimeline,
     heavy: Load,
     light: Load,
+    serving_timeout: float = 180,
 ) -> list[str]:
     """With `light` running, the `heavy` load step scales the group 1 -> 2 and, once it stops, back to 1 after
-    the window: no flapping, no failed request. Returns the Autoscaled Events' messages."""
+    the window: no flapping, no failed request. Returns the Autoscaled Events' messages. `serving_timeout`: for
+    the second replica to serve once it is asked for."""
     heavy.start()
     eventually(lambda: timeline.current() == 2, 120, "scale-up to maxReplicas")
-    wait_serving(groups, core, agent, name, replicas=2)
+    wait_serving(groups, core, agent, name, replicas=2, timeout=serving_timeout)
     time.sleep(3)
     # The load starts falling when the heavy clients stop sending, not when their last answers are in:
     # stop() waits for those, seconds on a busy machine, and the window may already run meanwhile.

@@ -140,7 +140,10 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
     heavy = UnsharedChatLoad(
         address, model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S
     )
-    messages = step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
+    # The second replica's vLLM start took 150 s+ under the suite's load once (import to engine core: 140 s).
+    messages = step_up_and_back(
+        groups, core, node_agent, name, timeline, heavy, light, serving_timeout=START_TIMEOUT_S
+    )
     assert heavy.ok >= 10 and light.ok >= 3
     assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages
     assert all("requestsWaiting" in m for m in messages), messages
