@@ -238,7 +238,8 @@ async def test_an_idle_draining_rank_of_a_sharded_replica_stays_for_a_request_se
     """Rank 1 of an idle two-rank replica gets SIGTERM. A driver that has not yet read its draining heartbeat
     still sends the replica a request, to both ranks. The rank stays `DRAIN_SETTLE_HEARTBEATS` heartbeat
     intervals before its goodbye, so it takes the request and leaves once the request is done. Without the
-    stay it left within one drain poll (0.05 s) and the request was cut ("replica 0 lost ranks [1]")."""
+    stay it left within one drain poll (0.05 s) and the request was refused ("replica 0 is not serving (ranks
+    [1] not joined)"; in the worldSize-3 drain e2e, such a request was cut after its first tokens)."""
     interval = 1.0
     executor = MultiprocExecutor(
         WorkerConfig(task="generate", model_path=str(tiny_llama), device="cpu", engine="transformers"),
