@@ -49,15 +49,16 @@ def health_port(worker_log: Path) -> int:
 
 # ZMQ queues IWG_SEND_QUEUE messages (1000 by default: 17 minutes of heartbeats at the default 1 s) for a peer
 # that never connects; each heartbeat is one. The worker here queues ZMQ_QUEUE (the same path, reached in 15 s
-# instead of 150 s). At 0.15 s a heartbeat's timeout (0.45 s) still leaves room for a busy machine's scheduling
-# delays. The healthy driver is used until ZMQ's queue for the dead one is full (the worker's first drop, near
-# heartbeat ZMQ_QUEUE) and for AFTER_DROPS_S more: a send that waited for room would stop the heartbeats to the
-# healthy driver within a heartbeat's timeout. The drops must begin within twice the time of BEATS heartbeats (a
-# busy machine's beats come late), and the worker never holds a message back for the dead driver (its backlog
-# stays empty).
-HEARTBEAT_S = 0.15
-ZMQ_QUEUE = 100
-BEATS = 130
+# instead of 17 minutes). A heartbeat of 0.5 s makes a timeout of 1.5 s: at 0.15 s (a 0.45 s timeout) a loaded CI
+# machine once stalled the worker past it and the healthy driver counted the replica lost, the machine's fault,
+# not the dead driver's. The healthy driver is used until ZMQ's queue for the dead one is full (the worker's first
+# drop, near heartbeat ZMQ_QUEUE) and for AFTER_DROPS_S more: a send that waited for room would stop the
+# heartbeats to the healthy driver within a heartbeat's timeout. The drops must begin within twice the time of
+# BEATS heartbeats (a busy machine's beats come late), and the worker never holds a message back for the dead
+# driver (its backlog stays empty).
+HEARTBEAT_S = 0.5
+ZMQ_QUEUE = 30
+BEATS = 40
 AFTER_DROPS_S = 5.0
 
 
