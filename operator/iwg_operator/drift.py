@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Any
 
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
@@ -44,7 +44,7 @@ def quantity(text: str) -> Decimal | None:
         return None
     try:
         return Decimal(found.group(1)) * _SUFFIX[found.group(2) or ""]
-    except InvalidOperation:
+    except DecimalException:  # "1.2.3"; or a digest such as "3e43715140629679", whose exponent overflows
         return None
 
 

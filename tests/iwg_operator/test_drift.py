@@ -32,6 +32,16 @@ def test_quantities_compare_by_value() -> None:
     assert not drift.matches({"cpu": "1"}, {"cpu": "2"})
 
 
+def test_a_digest_that_reads_as_a_huge_quantity_compares_as_text() -> None:
+    """A hex digest of digits and one "e" matches the quantity syntax with an exponent no Decimal context
+    holds: its comparison raised decimal.Overflow out of the reconcile (a digest in the key-rotation unit test,
+    in the full run of c2dbb01; about one 16-character hex digest in 1,200 reads so)."""
+    assert drift.quantity("3e43715140629679") is None
+    desired = {"metadata": {"annotations": {"inference.iwg.dev/spec-hash": "3e43715140629679"}}}
+    assert drift.matches(desired, copy.deepcopy(desired))
+    assert not drift.matches(desired, {"metadata": {"annotations": {"inference.iwg.dev/spec-hash": "3e4371"}}})
+
+
 def test_an_object_as_served_is_in_sync_and_a_hand_edit_is_not() -> None:
     group = group_from_body(body(replicas=1))
     for manifest in (builders.driver_deployment(group), builders.driver_service(group)):
