@@ -39,7 +39,9 @@ def test_a_digest_that_reads_as_a_huge_quantity_compares_as_text() -> None:
     assert drift.quantity("3e43715140629679") is None
     desired = {"metadata": {"annotations": {"inference.iwg.dev/spec-hash": "3e43715140629679"}}}
     assert drift.matches(desired, copy.deepcopy(desired))
-    assert not drift.matches(desired, {"metadata": {"annotations": {"inference.iwg.dev/spec-hash": "3e4371"}}})
+    assert not drift.matches(
+        desired, {"metadata": {"annotations": {"inference.iwg.dev/spec-hash": "3e4371"}}}
+    )
 
 
 def test_an_object_as_served_is_in_sync_and_a_hand_edit_is_not() -> None:
