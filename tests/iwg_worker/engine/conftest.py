@@ -113,13 +113,38 @@ def release_vllm() -> None:
 _SET_NUM_THREADS = torch.set_num_threads
 
 
+def make_vllm_engine_in_a_fresh_cache(path: Path, cache: Path) -> tuple[VllmEngine, Collector]:
+    """make_vllm_engine with an empty VLLM_CACHE_ROOT, as in a new pod (its $HOME an emptyDir): the engine
+    inspects the model's class in this process (inspect_model_classes_here), so vLLM asks no subprocess to."""
+    from vllm import envs
+    from vllm.model_executor.models import registry
+
+    asked: list[str] = []
+    runner = registry._run_in_subprocess
+
+    def recorded(fn: Any) -> Any:
+        asked.append(repr(fn))
+        return runner(fn)
+
+    with pytest.MonkeyPatch.context() as patch:
+        envs.disable_envs_cache()  # an engine built earlier in this process may have frozen vLLM's environment
+        patch.setenv("VLLM_CACHE_ROOT", str(cache))
+        patch.setattr(registry, "_run_in_subprocess", recorded)
+        built = make_vllm_engine(path)
+    assert not asked, f"vLLM inspected the model class in a subprocess: {asked}"
+    assert list((cache / "modelinfos").glob("*LlamaForCausalLM.json")), "no inspection cached"
+    return built
+
+
 @pytest.fixture(scope="session", params=["transformers", "vllm"])
-def engine(request: pytest.FixtureRequest, smollm2: Path) -> Iterator[tuple[Engine, Collector]]:
+def engine(
+    request: pytest.FixtureRequest, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Collector]]:
     """Each generation engine in turn, on the same weights: every test that takes it runs on both. One of each
     for the session (pytest runs the tests of one engine, then the other's): a vLLM start costs a minute here."""
     eng: Engine
     if request.param == "vllm":
-        eng, collector = make_vllm_engine(smollm2)
+        eng, collector = make_vllm_engine_in_a_fresh_cache(smollm2, tmp_path_factory.mktemp("vllm-cache"))
     else:
         eng, collector = make_engine(smollm2, num_blocks=256, max_batch_tokens=1024)
     yield eng, collector
