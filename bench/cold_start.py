@@ -11,6 +11,11 @@ each run, then per group the median (p50) of the whole and of each part. The bas
 same group started with one replica from the start (`iwg serve` process start to ready): what a cold start
 costs beyond that is the activation's own (the autoscaler's reaction, the held request's way).
 
+The peer, for the vLLM group: `vllm serve` on the same directory, dtype, eager, started as a scale-from-zero
+platform (Knative in KServe) starts it for a first request: its start to ready (`/health`), then the same first
+chat request; its sum is what a client waits there beyond the pod's scheduling. Both servers' second start is
+printed (the first warms the page cache).
+
 SmolLM2 loads from its converted directory; vLLM runs eager. Figures need a quiet machine.
 
 ``--fresh-vllm-cache``: every `iwg serve` start gets an empty ``VLLM_CACHE_ROOT``, as a pod does (its ``$HOME`` is
@@ -112,6 +117,34 @@ def idle(process: subprocess.Popen[bytes], timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def vllm_serve_cold(tmp: Path, fresh_vllm_cache: bool) -> tuple[float, float]:
+    """`vllm serve`'s start to ready and its first answer after, SmolLM2 as the vLLM group serves it."""
+    import os
+
+    from bench.engines import start_vllm_serve
+    from bench.engines import stop as stop_server
+
+    group = manifest("smollm2-vllm", 1, 0)["spec"]["model"]
+    options = argparse.Namespace(
+        dtype=group["dtype"], device="cpu", enforce_eager=group["enforceEager"], startup_timeout=600.0
+    )
+    kept = os.environ.get("VLLM_CACHE_ROOT")
+    if fresh_vllm_cache:  # server_env copies this process's environment
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-serve-cache-", dir=tmp)
+    try:
+        server = start_vllm_serve(options, tmp, Path(group["path"]), group["kvCache"]["blocks"])
+    finally:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+        if kept is not None:
+            os.environ["VLLM_CACHE_ROOT"] = kept
+    try:
+        sent = time.monotonic()
+        ask(server.url, "smollm2-vllm")
+        return server.startup_s, time.monotonic() - sent
+    finally:
+        stop_server(server)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--groups", default=",".join(GROUPS))
@@ -149,6 +182,13 @@ def main() -> None:
                 stop(process)
             medians = " | ".join(f"{statistics.median(parts[p]):.2f}" for p in PHASES)
             summary.append(f"| {group} | {statistics.median(totals):.2f} | {medians} | {baseline:.2f} |")
+            if group == "smollm2-vllm":
+                for _ in range(2):
+                    ready, answer = vllm_serve_cold(tmp, args.fresh_vllm_cache)
+                peer = (
+                    f"| vllm serve (peer) | {ready + answer:.2f} |" + " - |" * len(PHASES) + f" {ready:.2f} |"
+                )
+                summary.append(peer)
     print(
         "\n| group | p50 first answer s | "
         + " | ".join(f"p50 {p}" for p in PHASES)
