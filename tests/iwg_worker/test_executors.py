@@ -38,7 +38,9 @@ from iwg_worker.worker_base import WorkerConfig
 from .conftest import SENTENCES
 
 EXT = "tests.iwg_worker.extensions.ProbeExtension"
-HEARTBEAT_S = 0.5
+# The cluster's heartbeat: its timeout (3 heartbeats, 6 s) outlasts a 2-3 s stall of a loaded CI machine, and a
+# killed worker is still detected in seconds, well before its 30 s call would end.
+HEARTBEAT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -204,11 +206,13 @@ def test_unknown_method_error_names_it(multiproc: MultiprocExecutor) -> None:
 def test_timeout_names_the_method_and_the_silent_ranks(multiproc: MultiprocExecutor) -> None:
     started = time.monotonic()
     with pytest.raises(RPCTimeoutError) as info:
-        multiproc.collective_rpc("sleep", (1.5,), timeout=0.3)
-    assert time.monotonic() - started < 1.2
+        multiproc.collective_rpc("sleep", (8.0,), timeout=0.3)
+    # Failed by its own timeout (plus room for a stalled CI machine), not when the 8 s call ended.
+    assert time.monotonic() - started < 4.0
     assert info.value.method == "sleep" and info.value.missing == [(0, 0), (0, 1)]
     assert "'sleep' timed out" in str(info.value) and "ranks [0, 1]" in str(info.value)
-    assert multiproc.collective_rpc("echo", ("after",), timeout=30) == [["after"], ["after"]]
+    # The ranks take it once their sleep ends.
+    assert multiproc.collective_rpc("echo", ("after",), timeout=60) == [["after"], ["after"]]
 
 
 def test_worker_extension_from_env_and_unique_reply_rank(multiproc: MultiprocExecutor) -> None:
@@ -227,13 +231,13 @@ def test_cluster_membership_and_concurrent_per_replica_calls(cluster: Cluster) -
 
     async def both() -> list[object]:
         # Replica 1 sleeps; replica 0 answers meanwhile: per-replica calls do not wait for each other.
-        slow = asyncio.ensure_future(executor.collective_rpc_async("sleep", (2.0,), replica=1, timeout=30))
+        slow = asyncio.ensure_future(executor.collective_rpc_async("sleep", (10.0,), replica=1, timeout=60))
         fast = await executor.collective_rpc_async("echo", (b"x",), replica=0, timeout=30)
         slow_done_when_fast_returned = slow.done()
         return [fast, slow_done_when_fast_returned, await slow]
 
     fast, slow_done_when_fast_returned, slow = asyncio.run(both())
-    assert fast == [[b"x"]] and slow == [2.0]
+    assert fast == [[b"x"]] and slow == [10.0]
     assert slow_done_when_fast_returned is False
 
 
@@ -261,10 +265,13 @@ def test_peer_without_the_workers_key_is_refused_by_the_driver(cluster: Cluster)
             hello = protocol.Hello("hello", "g", 0, 0, 1, "rogue-pod", b"rogue", {})
             push.send_multipart(protocol.encode_hello(hello), flags=zmq.NOBLOCK)
             dealer.send_multipart([b"anything"], flags=zmq.NOBLOCK)
-        time.sleep(4 * HEARTBEAT_S)
+        deadline = time.monotonic() + 30
+        while executor._zap.refused < refused_before + 4:  # two sockets each for the two CURVE keys
+            assert time.monotonic() < deadline, f"{executor._zap.refused - refused_before} refused in 30 s"
+            time.sleep(0.1)
+        time.sleep(1.0)  # a peer the driver wrongly admitted would be a member (and have replied) by now
         assert {(m.replica, m.rank): m.routing_id for m in executor.members()} == members_before
         assert not any(s.poll(0) for s in sockets if s.type == zmq.DEALER)
-        assert executor._zap.refused >= refused_before + 4  # two sockets each for the two CURVE keys
     finally:
         for sock in sockets:
             sock.close(linger=0)
@@ -325,6 +332,15 @@ def _metric(port: int, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def _in_flight(port: int) -> str | None:
+    """The method a worker is running, from its /healthz."""
+    import json
+
+    healthz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read())
+    method = healthz["in_flight"]
+    return None if method is None else str(method)
 
 
 def _health_port(executor: ClusterExecutor, replica: int) -> int:
@@ -407,7 +423,7 @@ def test_blocking_callers_on_threads_and_futures_all_get_their_own_replies(clust
     """Blocking callers receive replies themselves (for each other too) while futures wait on the I/O
     thread; a slow call on one replica holds up neither."""
     executor = cluster.executor
-    slow = executor.collective_rpc_future("sleep", (3.0,), replica=1, timeout=30)
+    slow = executor.collective_rpc_future("sleep", (15.0,), replica=1, timeout=60)
     results: dict[int, list[object]] = {}
 
     def caller(n: int) -> None:
@@ -430,7 +446,7 @@ def test_blocking_callers_on_threads_and_futures_all_get_their_own_replies(clust
             [[got_n, got_i, tensor]] = reply
             assert (got_n, got_i) == (n, i) and torch.equal(tensor, torch.full((3,), float(i)))
     assert not slow.done()
-    assert slow.result(timeout=30) == [3.0]
+    assert slow.result(timeout=60) == [15.0]
 
 
 def test_killed_worker_fails_the_pending_call_within_the_heartbeat_timeout(cluster: Cluster) -> None:
@@ -448,13 +464,14 @@ def test_killed_worker_fails_the_pending_call_within_the_heartbeat_timeout(clust
     caller = threading.Thread(target=blocking_call)
     caller.start()
     pending = executor.collective_rpc_future("sleep", (30.0,), replica=1, timeout=60)
-    time.sleep(0.3)
+    time.sleep(1.0)
     killed_at = time.monotonic()
     cluster.processes[1].kill()
     with pytest.raises(ReplicaLostError) as info:
-        pending.result(timeout=executor.heartbeat_timeout_s + 5)
-    caller.join(timeout=executor.heartbeat_timeout_s + 5)
-    assert time.monotonic() - killed_at <= executor.heartbeat_timeout_s + 0.5
+        pending.result(timeout=executor.heartbeat_timeout_s + 10)
+    caller.join(timeout=executor.heartbeat_timeout_s + 10)
+    # The heartbeat timeout (6 s) and 3 s for a stalled CI machine: far from the 30 s the calls would take.
+    assert time.monotonic() - killed_at <= executor.heartbeat_timeout_s + 3.0
     assert len(errors) == 1 and isinstance(errors[0], ReplicaLostError)
     assert info.value.method == "sleep" and info.value.replica == 1 and info.value.ranks == [0]
     assert "'sleep'" in str(info.value) and "replica 1" in str(info.value)
@@ -470,11 +487,19 @@ def test_sigint_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
 ) -> None:
     events: list[MembershipEvent] = []
     multiproc.subscribe(events.append)
-    in_flight = multiproc.collective_rpc_future("sleep", (1.0,), timeout=60)
+    in_flight = multiproc.collective_rpc_future("sleep", (5.0,), timeout=60)
     queued = multiproc.collective_rpc_future("echo", ("never run",), timeout=60)
-    time.sleep(0.3)
-    multiproc.shutdown()  # SIGINT to every worker, then waits for them
-    assert in_flight.result(timeout=0) == [1.0, 1.0]
+    # Both ranks are in the sleep (their /healthz says so) before the SIGINT; it has 5 s to come before the
+    # sleep ends and the queued call would run. The ranks heartbeat until their goodbye: the rest of the sleep
+    # outlasts the group's heartbeat timeout (3 s), and the driver must not count them lost meanwhile.
+    ports = [int(m.capabilities["health_port"]) for m in multiproc.members()]
+    assert len(ports) == 2
+    deadline = time.monotonic() + 30
+    while not all(_in_flight(port) == "sleep" for port in ports):
+        assert time.monotonic() < deadline, "the sleep did not start on both ranks in 30 s"
+        time.sleep(0.05)
+    multiproc.shutdown(grace_s=30)  # SIGINT to every worker, then waits for them (a stall must not kill them)
+    assert in_flight.result(timeout=0) == [5.0, 5.0]
     # The call queued behind it was never run: the goodbye's last_call says so, and it fails at once.
     error = queued.exception(timeout=0)
     assert isinstance(error, ReplicaLostError) and "goodbye" in error.reason and error.method == "echo"
@@ -486,8 +511,16 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
     """A heartbeat with ``capabilities.draining`` (a worker that got SIGTERM) makes its replica draining, whichever
     rank sends it; the replica still serves (what it runs finishes) and is draining until that rank's goodbye.
     Raw sockets stand in for the two ranks of one replica."""
+    # A 30 s heartbeat (90 s timeout): the raw ranks beat only when the test says, and rank 0 is silent from its
+    # hello to its beat below, which a stalled CI machine must not stretch past the timeout.
     executor = ClusterExecutor(
-        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replicas=1, world_size=2, insecure=True, group="g"
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=1,
+        world_size=2,
+        insecure=True,
+        group="g",
+        heartbeat_interval_s=30,
     )
     events: list[MembershipEvent] = []
     executor.subscribe(events.append)
@@ -512,10 +545,10 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
 
         beat(0, "hello")
         beat(1, "hello")
-        executor.wait_until_serving(timeout=10)
+        executor.wait_until_serving(timeout=30)
         assert executor.draining_replicas() == frozenset()
         beat(1, draining=True)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not executor.draining_replicas():
             assert time.monotonic() < deadline, "the draining heartbeat was not seen"
             time.sleep(0.01)
@@ -527,7 +560,7 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
         assert executor.draining_replicas() == {0}
         assert sum(e.kind == "draining" for e in events) == 1
         pushes[1].send_multipart(protocol.encode_goodbye(0, 1, "stopping", None))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while executor.serving_replicas():
             assert time.monotonic() < deadline, "the goodbye was not seen"
             time.sleep(0.01)
@@ -543,8 +576,15 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
     """A worker's last heartbeat can reach the driver after its goodbye (scale to zero caught one in CI: the
     leaving replica served again, and took a request it then cut). That process stops: it stays out, while a
     process started anew for the rank (another routing id) joins. Raw sockets stand in for the ranks."""
+    # A 30 s heartbeat (90 s timeout): the raw ranks beat only when the test says.
     executor = ClusterExecutor(
-        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replicas=1, world_size=1, insecure=True, group="g"
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=1,
+        world_size=1,
+        insecure=True,
+        group="g",
+        heartbeat_interval_s=30,
     )
     context = zmq.Context()
     sockets = []
@@ -567,9 +607,9 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
     try:
         old = process(b"old")
         beat(old, b"old", "hello")
-        executor.wait_until_serving(timeout=10)
+        executor.wait_until_serving(timeout=30)
         old.send_multipart(protocol.encode_goodbye(0, 0, "stopping", None))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while executor.serving_replicas():
             assert time.monotonic() < deadline, "the goodbye was not seen"
             time.sleep(0.01)
@@ -578,7 +618,7 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
         assert executor.serving_replicas() == frozenset() and executor.members() == []
         new = process(b"new")
         beat(new, b"new", "hello")
-        executor.wait_until_serving(timeout=10)
+        executor.wait_until_serving(timeout=30)
         assert [m.routing_id for m in executor.members()] == [b"new"]
     finally:
         for sock in sockets:

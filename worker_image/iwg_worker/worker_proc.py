@@ -389,6 +389,7 @@ class WorkerProc:
         )
         streams.set_function(lambda: float(len(self._stream_links)))
         self._output_closing = False
+        self._said_goodbye = False  # close() has sent (or queued) the goodbyes: no heartbeat may follow
         self._output_thread = threading.Thread(target=self._output_loop, name="iwg-output", daemon=True)
         self._output_thread.start()
         if any(e.startswith("tcp://") for e in config.rpc_endpoint.split(",")):
@@ -646,8 +647,11 @@ class WorkerProc:
                 for link in self.links:
                     self._watch_driver(link)
                 with self._send_lock:
-                    if self._stopping.is_set():
-                        continue  # close() says goodbye: no heartbeat may follow it (the driver would rejoin it)
+                    # Until the goodbye: a worker stopping (SIGINT) still finishes its in-flight call, and a
+                    # driver that heard no heartbeat for its timeout would count it lost and fail that call.
+                    # After it, none: the driver would take the worker back.
+                    if self._said_goodbye:
+                        continue
                     for link in self.links:
                         self._offer(link, beat)
 
@@ -1011,6 +1015,7 @@ class WorkerProc:
 
     def close(self, reason: str) -> None:
         self._stopping.set()
+        self._said_goodbye = True  # before the goodbyes: the output thread offers no heartbeat after them
         links = self.links
         for link in links:
             self._emit(
