@@ -48,18 +48,19 @@ def health_port(worker_log: Path) -> int:
 # -- an unreachable second driver ------------------------------------------------------------------------
 
 # ZMQ queues IWG_SEND_QUEUE messages (1000 by default: 17 minutes of heartbeats at the default 1 s) for a peer
-# that never connects; each heartbeat is one. The worker here queues ZMQ_QUEUE (the same path, reached in 15 s
-# instead of 17 minutes). A heartbeat of 0.5 s makes a timeout of 1.5 s: at 0.15 s (a 0.45 s timeout) a loaded CI
+# that never connects; each heartbeat is one. The worker here queues ZMQ_QUEUE (the same path, reached in 20 s
+# instead of 17 minutes). A heartbeat of 2 s makes a timeout of 6 s: at 0.15 s (a 0.45 s timeout) a loaded CI
 # machine once stalled the worker past it and the healthy driver counted the replica lost, the machine's fault,
-# not the dead driver's. The healthy driver is used until ZMQ's queue for the dead one is full (the worker's first
-# drop, near heartbeat ZMQ_QUEUE) and for AFTER_DROPS_S more: a send that waited for room would stop the
-# heartbeats to the healthy driver within a heartbeat's timeout. The drops must begin within twice the time of
-# BEATS heartbeats (a busy machine's beats come late), and the worker never holds a message back for the dead
-# driver (its backlog stays empty).
-HEARTBEAT_S = 0.5
-ZMQ_QUEUE = 30
-BEATS = 40
-AFTER_DROPS_S = 5.0
+# not the dead driver's, and the suite's parallel lanes stall a process 2-3 s, past 0.5 s heartbeats' 1.5 s. The
+# healthy driver is used until ZMQ's queue for the dead one is full (the worker's first drop, near heartbeat
+# ZMQ_QUEUE) and for AFTER_DROPS_S more: a send that waited for room would stop the heartbeats to the healthy
+# driver within a heartbeat's timeout. The drops must begin within twice the time of BEATS heartbeats (a busy
+# machine's beats come late), and the worker never holds a message back for the dead driver (its backlog stays
+# empty).
+HEARTBEAT_S = 2.0
+ZMQ_QUEUE = 10
+BEATS = 20
+AFTER_DROPS_S = 10.0
 
 
 def test_an_unreachable_second_driver_costs_the_healthy_one_no_replica(tmp_path: Path) -> None:
@@ -161,7 +162,7 @@ async def test_1000_cancelled_streams_leave_no_entries_and_no_engine_streams(tin
     worker forgets which driver it streamed to, and the engine holds no stream, request or cache block."""
     executor = MultiprocExecutor(
         WorkerConfig(task="generate", model_path=str(tiny_gpt2), device="cpu", engine="transformers"),
-        heartbeat_interval_s=0.5,
+        heartbeat_interval_s=3.0,  # a 9 s timeout: a stalled CI machine must not count the worker gone
         startup_timeout_s=STARTUP_TIMEOUT_S,
         extra_env={"OMP_NUM_THREADS": "1"},
     )
@@ -241,7 +242,7 @@ async def test_an_idle_draining_rank_of_a_sharded_replica_stays_for_a_request_se
     intervals before its goodbye, so it takes the request and leaves once the request is done. Without the
     stay it left within one drain poll (0.05 s) and the request was refused ("replica 0 is not serving (ranks
     [1] not joined)"; in the worldSize-3 drain e2e, such a request was cut after its first tokens)."""
-    interval = 1.0
+    interval = 2.0  # a stay of 4 s: room for a stalled CI machine between the SIGTERM and the late request
     executor = MultiprocExecutor(
         WorkerConfig(task="generate", model_path=str(tiny_llama), device="cpu", engine="transformers"),
         replicas=1,

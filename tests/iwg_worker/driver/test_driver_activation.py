@@ -171,6 +171,9 @@ async def test_an_activation_is_split_into_the_parts_the_workers_hello_tells_and
     those marks' gaps, each at least zero, and they add up to the whole (iwg_last_activation_seconds)."""
     pool = at_zero()
     async with serve(pool, activation_timeout_s=30.0) as (client, driver):
+        # The driver holds the request (its activation's start) between these two marks: as close as the
+        # test can know it, however long a loaded machine stalls this process between them.
+        sent_at = time.monotonic()
         held = asyncio.create_task(embed(client, "text"))
         await until(lambda: waiting(driver) == 1)
         held_at = time.monotonic()
@@ -179,17 +182,24 @@ async def test_an_activation_is_split_into_the_parts_the_workers_hello_tells_and
         pool.startups[0] = ReplicaStartup(
             process_started=now - 0.3, load_began=now - 0.25, load_done=now - 0.05
         )
-        pool.set_state(0, ReplicaState.SERVING)
+        pool.set_state(0, ReplicaState.SERVING)  # the replica serves from here (the driver's mark) ...
         await held
+        answered_at = time.monotonic()  # ... to no later than here
         parts = {
             phase: metric(driver, "iwg_last_activation_phase_seconds", {"phase": phase})
             for phase in ("pod_start", "worker_start", "model_load", "ready", "first_answer")
         }
         total = metric(driver, "iwg_last_activation_seconds")
-    assert parts["pod_start"] == pytest.approx(now - 0.3 - held_at, abs=0.03)
+    eps = 1e-6
+    assert now - 0.3 - held_at - eps <= parts["pod_start"] <= now - 0.3 - sent_at + eps, (
+        parts,
+        held_at - sent_at,
+    )
     assert parts["worker_start"] == pytest.approx(0.05, abs=0.01)
     assert parts["model_load"] == pytest.approx(0.2, abs=0.01)
-    assert 0 <= parts["ready"] < 0.1 and parts["first_answer"] > 0
+    # From the load's end (now - 0.05) to serving: 0.05 s, and whatever a stall put between `now` and the release.
+    assert 0.05 - eps <= parts["ready"] <= answered_at - now + 0.05 + eps, (parts, answered_at - now)
+    assert parts["first_answer"] > 0
     assert sum(parts.values()) == pytest.approx(total, abs=0.01)
     assert metric(driver, "iwg_activation_phase_seconds_count", {"phase": "model_load"}) == 1
 
@@ -265,4 +275,5 @@ async def test_a_driver_that_stops_with_no_replica_come_gives_its_held_requests_
     results, took, _ = await _stopping_driver_with_held_requests(serve_during_lame_duck=False)
     assert [status for status, _ in results] == [503, 503, 503], results
     assert all('"driver_stopping"' in text for _, text in results), results
-    assert 0.5 + 1.0 <= took < 0.5 + 1.0 + 2.0, took
+    # The lame duck and the drain, then at once (5 s of room for a stalled machine): not the 60 s activation timeout.
+    assert 0.5 + 1.0 <= took < 0.5 + 1.0 + 5.0, took

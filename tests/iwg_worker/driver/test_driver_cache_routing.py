@@ -22,6 +22,7 @@ MODEL = "smollm2"
 POLICY = "cacheAware"  # leastLoaded here makes the second-turn test fail (checked by hand)
 LOAD_BOUND = 0.25
 STATS_POLL_S = 1.0  # the driver reads the engines' counts every second
+PREFIX_CACHE = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +63,23 @@ async def chat(
         return dict(await resp.json())
 
 
-async def settled(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """/metrics once the driver has read the engines' counts after the last request."""
-    await asyncio.sleep(2.5 * STATS_POLL_S)
-    return await scrape_metrics(session, url)
+async def settled(session: aiohttp.ClientSession, url: str, since: dict[str, float]) -> dict[str, float]:
+    """/metrics once the driver has read the engines' counts after the last request: its prefix-cache queries
+    moved past their count in ``since`` (every request queries the cache), and its prefix-cache counters held
+    still for three of its polls (a loaded machine may stall a poll a few seconds, so not a fixed wait)."""
+    deadline = time.monotonic() + 60
+    last: tuple[float, ...] = ()
+    still_since = time.monotonic()
+    while True:
+        sample = await scrape_metrics(session, url)
+        counts = tuple(sample.get(name, 0.0) for name in PREFIX_CACHE)
+        now = time.monotonic()
+        if counts != last:
+            last, still_since = counts, now
+        elif counts[0] > since.get(PREFIX_CACHE[0], 0.0) and now - still_since >= 3 * STATS_POLL_S:
+            return sample
+        assert now < deadline, f"the engines' prefix-cache counts did not settle in 60 s: {counts}"
+        await asyncio.sleep(0.25)
 
 
 async def test_second_turns_land_on_their_first_turns_replica_and_hit_its_prefix_cache(
@@ -88,7 +102,7 @@ async def test_second_turns_land_on_their_first_turns_replica_and_hit_its_prefix
         before = await scrape_metrics(session, served.url)
         # First turns all at once: the load bound spreads them (least-loaded would too).
         answers = await asyncio.gather(*(chat(session, served.url, m, 4) for m in first_turns))
-        middle = await settled(session, served.url)
+        middle = await settled(session, served.url, before)
         first = delta(routed(middle), routed(before))
         assert len(first) == 2 and sum(first.values()) == 16, first
         # Second turns one at a time, last conversation first: nothing is open, so least-loaded would send
@@ -103,7 +117,7 @@ async def test_second_turns_land_on_their_first_turns_replica_and_hit_its_prefix
             ]
             await chat(session, served.url, messages, 2)
             prompt_tokens.append(answers[u]["usage"]["prompt_tokens"])
-        after = await settled(session, served.url)
+        after = await settled(session, served.url, middle)
     # Every second turn found its first turn's full blocks (64 tokens each) in its replica's cache.
     hits = after["vllm:prefix_cache_hits_total"] - middle["vllm:prefix_cache_hits_total"]
     expected = sum(t // 64 * 64 for t in prompt_tokens)

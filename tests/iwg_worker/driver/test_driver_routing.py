@@ -49,6 +49,14 @@ def answered_by(body: dict[str, Any]) -> list[int]:
     return [int(d["embedding"][1]) for d in body["data"]]
 
 
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Return once ``condition()`` holds (checked every 10 ms); fail after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
 def metric(driver: Driver, name: str, labels: dict[str, str] | None = None) -> float:
     value = driver.metrics.registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
@@ -77,13 +85,13 @@ async def test_a_request_larger_than_a_batch_is_split_and_reassembled_in_order()
 
 
 async def test_least_loaded_replica_is_chosen() -> None:
-    pool = FakePool(replicas=3, delay_s=0.3)
+    # Each batch takes 3 s: the first is still in flight when the second is placed, however slow the machine.
+    pool = FakePool(replicas=3, delay_s=3.0)
     async with serve(pool, max_batch_size=1, max_wait_ms=0) as (client, driver):
         first = asyncio.create_task(embed(client, "a"))
-        await asyncio.sleep(0.1)
-        assert driver.router.inflight(0) == 1
+        await until(lambda: driver.router.inflight(0) == 1)
         second = asyncio.create_task(embed(client, "b"))
-        await asyncio.sleep(0.1)
+        await until(lambda: sum(driver.router.inflight(r) for r in range(3)) == 2)
         assert (driver.router.inflight(0), driver.router.inflight(1)) == (1, 1)
         assert driver.router.pick() == 2
         await asyncio.gather(first, second)
@@ -208,12 +216,13 @@ async def test_request_larger_than_the_queue_is_refused_whole() -> None:
 
 
 async def test_drain_stops_new_batches_and_waits_for_inflight() -> None:
-    pool = FakePool(replicas=2, delay_s=0.3)
+    pool = FakePool(replicas=2, delay_s=0.01)
+    # Replica 0's batch takes 3 s: still in flight when the drain starts, however slow the machine.
+    pool.replicas[0].delay_s = 3.0
     auth = {"Authorization": f"Bearer {TOKEN}"}
     async with serve(pool, max_batch_size=1, max_wait_ms=0) as (client, driver):
         inflight = asyncio.create_task(embed(client, "in flight on 0"))
-        await asyncio.sleep(0.1)
-        assert driver.router.inflight(0) == 1
+        await until(lambda: driver.router.inflight(0) == 1)
         resp = await client.post("/admin/replicas/0/drain", headers=auth)
         body = await resp.json()
         assert resp.status == 200 and body["drained"] is True and body["inflight_batches"] == 0

@@ -30,7 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 STREAMS = 4
 BODY = {"model": "smollm2", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-SHORT_TOKENS = 32
+# Long enough to still run on the draining replica when the late request is placed (about 4 s after the SIGTERM
+# here, at ~14 tokens/s: room for a stalled CI machine), short enough to end within the worker's 30 s drain on a
+# machine several times slower.
+SHORT_TOKENS = 64
 SHORT = {
     **BODY,
     "max_tokens": SHORT_TOKENS,
@@ -53,7 +56,8 @@ async def until(check: Any, timeout: float, what: str) -> None:
 
 
 def test_a_driver_routes_around_a_replica_that_another_drivers_requests_fill(tmp_path: Path) -> None:
-    wired = wire_group(tmp_path, "share", replicas=2, bound=2, heartbeat_s=0.5, drivers=2, generate=True)
+    # 2 s heartbeats (a 6 s timeout): eight SmolLM2 streams on a loaded CI machine must not cost a replica.
+    wired = wire_group(tmp_path, "share", replicas=2, bound=2, heartbeat_s=2.0, drivers=2, generate=True)
     # Strictly the fewest open requests (cacheAware would allow up to ceil(1.25 x mean) on replica 0).
     for env in wired.driver_envs:
         env[wiring.ROUTING_POLICY] = "leastLoaded"
@@ -95,7 +99,7 @@ async def _share(urls: list[str]) -> None:
         async def seen_by_second() -> bool:
             return (await replicas(session, second))[0]["other_drivers_requests"] == STREAMS
 
-        await until(seen_by_second, 15, "the second driver never saw the first one's requests on replica 0")
+        await until(seen_by_second, 60, "the second driver never saw the first one's requests on replica 0")
         # The second driver's own requests go to the replica the first one left empty.
         for i in range(STREAMS):
             resp = await session.post(f"{second}/v1/completions", json={**BODY, "prompt": f"Spell {i}:"})
@@ -124,7 +128,7 @@ async def _evicted_mid_stream(urls: list[str], workers: list[subprocess.Popen[by
             views = [await replicas(session, url) for url in urls]
             return all(r["other_drivers_requests"] == 0 for v in views for r in v.values())
 
-        await until(engines_idle, 15, "the engines still report `_share`'s streams")
+        await until(engines_idle, 60, "the engines still report `_share`'s streams")
         held = []  # replica 1 is still drained in the first driver (by `_share`): these go to replica 0
         for i in range(2):
             resp = await session.post(f"{first}/v1/completions", json={**BODY, "prompt": f"List {i}:"})
@@ -146,7 +150,7 @@ async def _evicted_mid_stream(urls: list[str], workers: list[subprocess.Popen[by
             views = [await replicas(session, url) for url in urls]
             return all(view[1]["state"] == "draining" for view in views)
 
-        await until(draining_in_both, 10, "the drivers did not mark the SIGTERMed worker's replica draining")
+        await until(draining_in_both, 60, "the drivers did not mark the SIGTERMed worker's replica draining")
         seen = time.monotonic() - signalled
         late = await session.post(f"{first}/v1/completions", json={**BODY, "prompt": "Late:"})
         assert late.status == 200

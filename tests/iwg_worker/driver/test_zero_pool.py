@@ -38,16 +38,17 @@ async def test_a_local_group_at_zero_starts_a_replica_per_activation_and_stops_i
         return started[-1]
 
     zero = ZeroPool()
-    idle = spec(min_replicas=0, max_replicas=1, scale_to_zero_after_seconds=1)
+    # 3 s idle before the stop: the checks right after each answer find the replica still up on a stalled machine.
+    idle = spec(min_replicas=0, max_replicas=1, scale_to_zero_after_seconds=3)
     async with serve(zero, activation_timeout_s=30.0) as (client, driver):
         scaler = LocalScaler(driver, zero, start, idle, drain_timeout_s=5.0, pool_of=lambda workers: workers)
         async with scaling(scaler):
             assert driver.ready and zero.states() == {}  # it holds requests, and runs no worker yet
             for activation in range(2):
-                status, body, _ = await asyncio.wait_for(embed(client, f"text {activation}"), 10)
+                status, body, _ = await asyncio.wait_for(embed(client, f"text {activation}"), 30)
                 assert status == 200 and body["data"][0]["embedding"] == [6.0, 0.0]
                 assert len(started) == activation + 1 and not started[-1].stopped
-                await asyncio.wait_for(until(lambda: not zero.running), 10)  # idle 1 s: drained, stopped
+                await asyncio.wait_for(until(lambda: not zero.running), 30)  # idle 3 s: drained, stopped
                 assert started[-1].stopped and zero.states() == {} and driver.router.serving() == []
     assert metric(driver, "iwg_activation_seconds_count") == 2
     assert 0.2 <= metric(driver, "iwg_last_activation_seconds") < 5

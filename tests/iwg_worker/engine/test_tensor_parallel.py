@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from iwg_operator.api import wiring
 from iwg_worker.engine.vllm_engine import VllmEngine
 from iwg_worker.executor.base import ReplicaLostError
 from iwg_worker.executor.multiproc import MultiprocExecutor
@@ -29,8 +28,9 @@ MAX_TOKENS = 6
 TOP = 3
 # float32 on CPU: the sharded matmuls sum their three partial products in another order than the whole one.
 LOGPROB_TOLERANCE = 1e-3
-# A rank that dies is noticed by its process's exit (the executor's tick), well within the heartbeat timeout.
-HEARTBEAT_TIMEOUT_S = wiring.DEFAULT_HEARTBEAT_INTERVAL_S * wiring.DEFAULT_HEARTBEAT_MISSES
+# A rank that dies is noticed by its process's exit (the executor's tick), well within the heartbeat timeout (three
+# heartbeats of HEARTBEAT_S: 6 s, past a 2-3 s stall of a loaded CI machine).
+HEARTBEAT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def sharded(smollm2: Path, engine: tuple[Engine, Collector]) -> Iterator[Multipr
         ),
         replicas=1,
         world_size=WORLD,
+        heartbeat_interval_s=HEARTBEAT_S,
         startup_timeout_s=600,
         extra_env={"OMP_NUM_THREADS": "1"},
     )
@@ -157,7 +158,7 @@ def test_a_rank_killed_mid_stream_fails_the_request_with_a_clear_error_and_the_r
         assert error.replica == 0 and error.ranks == [1], str(error)
     else:
         assert isinstance(error, StreamFailed) and "by peer" in str(error), repr(error)
-    assert after < HEARTBEAT_TIMEOUT_S
+    assert after < sharded.heartbeat_timeout_s
     assert received < request["max_tokens"]
     # Its peers cannot take a new member into their torch.distributed group: the whole replica restarts.
     deadline = time.monotonic() + 60
