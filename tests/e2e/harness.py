@@ -21,9 +21,12 @@ from tests.cluster.waiting import eventually
 T = TypeVar("T")
 
 
+DNS_TIMEOUT_S = 10.0  # a stalled node agent (a loaded machine) answers late, not never
+
+
 def resolve(dns_server: str, name: str) -> list[str]:
     """Asks the cluster DNS (the node agent's server) as a pod's resolver would."""
-    reply = DNSRecord.parse(DNSRecord.question(name, "A").send(dns_server, 53, timeout=2))
+    reply = DNSRecord.parse(DNSRecord.question(name, "A").send(dns_server, 53, timeout=DNS_TIMEOUT_S))
     return [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A]
 
 
@@ -212,7 +215,9 @@ def wait_serving(
             timeout,
             "the driver ready",
         )
-        address = eventually(lambda: driver_address(agent.gateway, namespace, name), 30, "driver DNS name")
+        address = eventually(
+            lambda: driver_address(agent.gateway, namespace, name), 60, "driver DNS name", tolerate=(OSError,)
+        )
         api = openai_client(address)
         eventually(
             lambda: _answers(api, groups.get(name)["spec"]["model"]),

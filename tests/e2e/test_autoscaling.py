@@ -21,7 +21,7 @@ from tests.nodeagent.fixture import NodeAgentProcess
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 MODEL = "all-MiniLM-L6-v2"
-DOWN_WINDOW_S = 10
+DOWN_WINDOW_S = 20
 
 
 class ReplicaTimeline:
@@ -98,8 +98,9 @@ def step_up_and_back(
     print(f"requests ok: heavy {heavy.ok}, light {light.ok}")
     assert history == [1, 2, 1]  # up once, down once: no flapping
     # The window starts at the autoscaler's first reading below target, up to a poll or two before the load's
-    # last request is in (8.9 s of a 10 s window was measured once): early by more than 2 s is a bug.
-    assert waited >= DOWN_WINDOW_S - 2
+    # last request is in (8.9 s of a 10 s window was measured once), and a loaded machine stalls any process
+    # for 2-3 s: early by more than 5 s is a bug (a scale-down that ignored the window comes within a poll).
+    assert waited >= DOWN_WINDOW_S - 5
     assert heavy.failures == [] and light.failures == [], (heavy.failures[:3], light.failures[:3])
     status = groups.get(name)["status"]
     assert status["scaleCount"] == 2

@@ -33,7 +33,7 @@ from tests.e2e.harness import (
     worker_pods,
 )
 from tests.e2e.service_proxy import ServiceProxy
-from tests.e2e.test_selfheal import FAST_HEALTH, MODEL, create, sharded_smollm2
+from tests.e2e.test_selfheal import MODEL, STEADY_HEALTH, create, sharded_smollm2
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
 
@@ -174,7 +174,7 @@ def test_draining_each_node_in_turn_moves_a_world_size_3_group_a_replica_at_a_ti
     ranks Ready (maxUnavailable 1), both drains finish, and no stream fails."""
     groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
     name = "drain-tp"
-    manifest = sharded_smollm2(name, 3, {**FAST_HEALTH, "restartPolicy": "Replica"})
+    manifest = sharded_smollm2(name, 3, {**STEADY_HEALTH, "restartPolicy": "Replica"})
     manifest["spec"]["replicas"] = 2
     manifest["spec"]["driver"] = {**manifest["spec"]["driver"], "replicas": 2}
     create(control_plane, workspace, manifest)

@@ -30,6 +30,11 @@ from tests.nodeagent.fixture import NodeAgentProcess
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 MODEL = "all-MiniLM-L6-v2"
+# The undo test's batches: long enough that a drain outlasts the steps of a scale-down and its undo on a loaded
+# machine (kubectl twice, the operator's watch and pass), short enough that the driver's limits hold: two
+# batches in flight on one replica (run one after the other) within its 30 s batch timeout, and a request that
+# waits behind four batches (replica 1 drained, all on replica 0) within its 60 s request timeout.
+UNDO_BATCH_S = 10
 
 
 def driver_metric(address: str, series: str) -> float:
@@ -168,21 +173,24 @@ def test_a_scale_down_undone_while_draining_leaves_the_replica_serving(
     # One input per batch: four clients' requests arriving together would otherwise share one batch, sent to
     # replica 0 every time, and replica 1 might never get one.
     address = serve_slow_group(
-        control_plane, node_agent, groups, core, name, batch_seconds=8, max_batch_size=1
+        control_plane, node_agent, groups, core, name, batch_seconds=UNDO_BATCH_S, max_batch_size=1
     )
     eventually(lambda: replica_state(address, 1) == "serving", 30, "replica 1 serving")
     replica_1 = {
         p.metadata.uid for p in groups.pods(name) if p.metadata.labels["inference.iwg.dev/replica"] == "1"
     }
-    load = Load(address, MODEL, clients=4, inputs=1).start()  # 8 s batches on both replicas
+    load = Load(address, MODEL, clients=4, inputs=1).start()  # 10 s batches on both replicas
     eventually(
-        lambda: driver_metric(address, 'iwg_inflight_batches{replica="1"}') >= 1, 20, "a batch on replica 1"
+        lambda: driver_metric(address, 'iwg_inflight_batches{replica="1"}') >= 1, 30, "a batch on replica 1"
     )
 
+    # The drain lasts until replica 1's batches in flight are done (up to two of 10 s, run one after the
+    # other); the undo must land within it, or the operator deletes replica 1's pods.
     control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=1")
-    eventually(lambda: replica_state(address, 1) == "draining", 10, "replica 1 draining")
+    eventually(lambda: replica_state(address, 1) == "draining", 30, "replica 1 draining")
     control_plane.kubectl("scale", "-n", workspace, f"inferenceworkergroup/{name}", "--replicas=2")
-    eventually(lambda: replica_state(address, 1) == "serving", 40, "replica 1 serving again")
+    # Undrained by the pass after the drain's (which waits for the batches in flight).
+    eventually(lambda: replica_state(address, 1) == "serving", 60, "replica 1 serving again")
     load.stop()
 
     assert {

@@ -36,7 +36,7 @@ from tests.e2e.test_autoscaling import (
     autoscaling,
     step_up_and_back,
 )
-from tests.e2e.test_selfheal import FAST_HEALTH, PERIOD, create, events
+from tests.e2e.test_selfheal import FAST_HEALTH, create, events
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess
@@ -44,10 +44,12 @@ from tests.nodeagent.fixture import NodeAgentProcess
 # Three vLLM starts (the first replica, its replacement, the second replica) on a shared 2-core machine.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
-# The self-heal test's fast rules, but a probe may take as long as a period: a worker whose engine is busy with
-# ten streams on two cores can answer its health check late, and that must not count as a failure. A SIGKILLed
-# worker refuses the probe at once, so detection still takes about two periods.
-HEALTH = {**FAST_HEALTH, "timeoutSeconds": PERIOD}
+# The self-heal test's rules (failureThreshold 2, no backoff), but probes every 4 s that may take the whole
+# period: a worker whose engine is busy with ten streams on two cores (or a stalled process) can answer its
+# health check late, and that must not count as a failure. A SIGKILLed worker refuses the probe at once (and
+# its container ends), so detection still takes two periods at most (8 s; step 3 waits up to 300 s).
+PERIOD = 4
+HEALTH = {**FAST_HEALTH, "periodSeconds": PERIOD, "timeoutSeconds": PERIOD}
 START_TIMEOUT_S = 300.0
 
 

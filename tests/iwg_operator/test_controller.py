@@ -6,6 +6,7 @@ import asyncio
 import copy
 import time
 import types
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -139,9 +140,23 @@ def body(**spec: Any) -> dict[str, Any]:
     }
 
 
-async def settled(ctl: Controller) -> None:
-    """Let the groups' loops run their passes (debounced) and stop before a recheck."""
-    await asyncio.sleep(DEBOUNCE_SECONDS * 4)
+async def settled(
+    ctl: Controller, kube: RecordingKube, until: Callable[[], bool] = lambda: True, timeout: float = 30
+) -> None:
+    """Let the groups' loops run their passes (debounced) and stop before a recheck: polls until `until()`
+    holds, no loop has a pass pending, and no call was made for DEBOUNCE_SECONDS * 4 (the stand-in answers at
+    once, so a pass under way makes calls; a loaded machine may run it late, never skip it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    calls, quiet_since = len(kube.calls), loop.time()
+    while True:
+        await asyncio.sleep(0.01)
+        now = loop.time()
+        if len(kube.calls) != calls or any(s.trigger.is_set() for s in ctl.groups.values()):
+            calls, quiet_since = len(kube.calls), now
+        elif until() and now - quiet_since >= DEBOUNCE_SECONDS * 4:
+            return
+        assert now < deadline, f"the groups' loops did not settle within {timeout:.0f} s: {kube.calls[-5:]}"
 
 
 def controller(kube: RecordingKube) -> Controller:
@@ -323,7 +338,7 @@ async def test_rotate_keys_is_not_undone_by_the_watch_event_of_its_own_deletion(
     ctl = controller(kube)
     ctl.observe_group(body())
     ctl.accept(body(), group_from_body(body()))
-    await settled(ctl)
+    await settled(ctl, kube, until=lambda: ("secrets", "g-curve") in kube.objects)
     state = ctl.groups[("ns", "g")]
     before = kube.objects[("secrets", "g-curve")]["data"]
     annotated = copy.deepcopy(state.body)
@@ -428,10 +443,10 @@ async def test_invalid_spec_is_marked_once() -> None:
     assert ctl.observe_group(bad), "a generation seen for the first time is to be decided"
     ctl.reject(bad, message)
     assert not ctl.observe_group(bad), "the same generation again (a status write's event) is not"
-    await settled(ctl)
-    ctl.reject(bad, message)  # decided again all the same (an operator restart): nothing new to say
-    await settled(ctl)
     state = ctl.groups[("ns", "g")]
+    await settled(ctl, kube, until=lambda: state.current_status.get("phase") == "Failed")
+    ctl.reject(bad, message)  # decided again all the same (an operator restart): nothing new to say
+    await settled(ctl, kube)
     assert state.current_status["phase"] == "Failed"
     conditions = {c["type"]: c for c in state.current_status["conditions"]}
     assert (
@@ -448,7 +463,7 @@ async def test_invalid_spec_is_marked_once() -> None:
     fixed["metadata"]["generation"] = 2
     assert ctl.observe_group(fixed), "a new generation is decided again"
     ctl.accept(fixed, group_from_body(fixed))
-    await settled(ctl)
+    await settled(ctl, kube, until=lambda: state.current_status.get("phase") != "Failed")
     assert any(c[:2] == ("create", "pods") for c in kube.calls), "the corrected spec is reconciled"
     assert state.current_status["phase"] != "Failed"
     await ctl.close()
@@ -475,7 +490,11 @@ async def test_marking_an_invalid_spec_is_retried_when_the_api_refuses_it_for_a_
     kube = FlakyStatus()
     ctl = controller(kube)
     ctl.reject(body(worldSize=100), "spec.worldSize: too large")
-    await asyncio.sleep(MIN_BACKOFF_SECONDS + DEBOUNCE_SECONDS * 4)
+    started = time.monotonic()
+    state = ctl.groups[("ns", "g")]
+    # Refused once, then marked again after the backoff.
+    await settled(ctl, kube, until=lambda: state.current_status.get("phase") == "Failed")
+    assert time.monotonic() - started >= MIN_BACKOFF_SECONDS
     assert kube.failures == 0
     assert ctl.groups[("ns", "g")].current_status["phase"] == "Failed", kube.calls
     await ctl.close()

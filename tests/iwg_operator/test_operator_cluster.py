@@ -18,7 +18,7 @@ from iwg_operator.kube import Connection, KubeApi
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.cluster.waiting import eventually
+from tests.cluster.waiting import eventually, steady
 from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
@@ -201,7 +201,6 @@ def test_quiet_group_causes_no_writes(
 ) -> None:
     groups.create("quiet", replicas=2, worker={"gpus": 1})
     eventually(lambda: ready_replicas(groups, "quiet", 2), what="settled")
-    time.sleep(2)
 
     def writes() -> float:
         total = 0.0
@@ -216,7 +215,7 @@ def test_quiet_group_causes_no_writes(
                     total += sample.value
         return total
 
-    before = writes()
+    before = steady(writes, for_s=5, timeout=60, what="the operator's writes after settling")  # the last land
     time.sleep(10)
     assert writes() == before, "a settled group must not cause API writes"
     metadata = groups.get("quiet")["metadata"]

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from iwg_operator.api import wiring
+from iwg_operator.autoscaling import scaler
 from iwg_operator.autoscaling.policy import MetricsError
 from iwg_operator.autoscaling.scaler import GroupScaler
 from iwg_operator.driver_admin import DriverPod, drain_in_drivers
@@ -22,6 +23,10 @@ from iwg_operator.pod_http import HEALTH_BODY_LIMIT, METRICS_BODY_LIMIT, PodClie
 
 HUNG, HEALTHY = 120, 20
 HUGE_BYTES = 1536 << 20
+# The healthy probes' timeout, and how long the hung pods' requests stay in flight: far enough apart that a
+# healthy probe queued behind the hung requests fails its timeout, with room for a stalled process (a loaded
+# machine pauses any process for 2-3 s) in between.
+HEALTHY_TIMEOUT_S, HUNG_TIMEOUT_S = 8.0, 20.0
 
 
 def pod(ip: str) -> ObservedPod:
@@ -32,7 +37,10 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 
 
 @contextlib.asynccontextmanager
-async def servers(addresses: list[str], port: int, handler: Handler) -> AsyncIterator[None]:
+async def servers(
+    addresses: list[str], port: int, handler: Handler
+) -> AsyncIterator[list[asyncio.StreamWriter]]:
+    """Servers on `addresses`; yields their connections as they are accepted."""
     writers: list[asyncio.StreamWriter] = []
 
     async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -41,7 +49,7 @@ async def servers(addresses: list[str], port: int, handler: Handler) -> AsyncIte
 
     started = [await asyncio.start_server(tracked, host, port) for host in addresses]
     try:
-        yield
+        yield writers
     finally:
         for server in started:
             server.close()
@@ -76,33 +84,49 @@ async def huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
     writer.close()
 
 
-async def test_120_hung_workers_of_other_groups_fail_no_probe_of_a_healthy_group() -> None:
-    """Probes, scrapes and drains of 120 hung pods in flight (held until their 10 s timeouts): a healthy group's
-    20 probes with a 3 s timeout all pass, in about the time one answer takes."""
+async def test_120_hung_workers_of_other_groups_fail_no_probe_of_a_healthy_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Probes, scrapes and drains of 120 hung pods in flight (held until their 20 s timeouts): a healthy group's
+    20 probes with an 8 s timeout all pass, in about the time one answer takes."""
     hung = [f"127.77.0.{i}" for i in range(1, HUNG + 1)]
     fine = [f"127.78.0.{i}" for i in range(1, HEALTHY + 1)]
     port, driver_port = wiring.DEFAULT_HEALTH_PORT, wiring.DEFAULT_HTTP_PORT
+    monkeypatch.setattr(scaler, "SCRAPE_TIMEOUT_S", HUNG_TIMEOUT_S)  # 3 s: the scrapes would end first
     clients = PodClients()
     async with (
-        servers(hung, port, hang),
-        servers(hung, driver_port, hang),
+        servers(hung, port, hang) as probed,
+        servers(hung, driver_port, hang) as scraped_and_drained,
         servers(fine, port, healthy),
     ):
         try:
             stuck = [
-                *(probe_worker(clients.probes, pod(ip), 10) for ip in hung),
+                *(probe_worker(clients.probes, pod(ip), HUNG_TIMEOUT_S) for ip in hung),
                 *(GroupScaler().scrape(clients.scrapes, [DriverPod(ip, ip)], driver_port) for ip in hung),
+                # A drain request waits its timeout plus 10 s for the driver's answer.
                 drain_in_drivers(
-                    clients.drains, [DriverPod(ip, ip) for ip in hung], driver_port, "t", [1, 2], timeout=0
+                    clients.drains,
+                    [DriverPod(ip, ip) for ip in hung],
+                    driver_port,
+                    "t",
+                    [1, 2],
+                    timeout=HUNG_TIMEOUT_S - 10,
                 ),
             ]
             held = asyncio.gather(*stuck, return_exceptions=True)
-            await asyncio.sleep(0.5)  # every hung pod holds its connections now
+            deadline = time.monotonic() + 30
+            # Every hung request is held: a probe and a scrape per pod, a drain per pod and replica.
+            while len(probed) < HUNG or len(scraped_and_drained) < 3 * HUNG:
+                assert time.monotonic() < deadline, (len(probed), len(scraped_and_drained))
+                await asyncio.sleep(0.05)
             started = time.monotonic()
-            outcomes = await asyncio.gather(*(probe_worker(clients.probes, pod(ip), 3) for ip in fine))
+            outcomes = await asyncio.gather(
+                *(probe_worker(clients.probes, pod(ip), HEALTHY_TIMEOUT_S) for ip in fine)
+            )
             took = time.monotonic() - started
             assert [o.reason for o in outcomes if not o.healthy] == []
-            assert took < 2.0, took
+            # Far below the hung requests' timeout: no healthy probe waited for them.
+            assert took < HEALTHY_TIMEOUT_S < HUNG_TIMEOUT_S, took
             hung_outcomes = await held
             assert all(not o.healthy for o in hung_outcomes[:HUNG]), "the hung ones fail on their own timeout"
         finally:

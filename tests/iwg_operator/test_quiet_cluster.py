@@ -11,7 +11,7 @@ import pytest
 from iwg_operator import metrics
 from iwg_operator.kube import WRITE_VERBS
 
-from tests.cluster.waiting import eventually
+from tests.cluster.waiting import eventually, steady
 from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
@@ -69,9 +69,8 @@ def test_twenty_settled_groups_cause_no_writes_for_thirty_seconds(
             autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 2},
         )
     eventually(lambda: settled(groups), timeout=180, what="every group Running with its driver pod reported")
-    time.sleep(3)  # the supervisor's first autoscaler round (ScalingActive) and the last status writes land
-
-    before = operator_writes()
+    # The supervisor's first autoscaler round (ScalingActive) and the last status writes land: no write for 5 s.
+    before = steady(operator_writes, for_s=5, timeout=60, what="the operator's writes after settling")
     time.sleep(QUIET_SECONDS)
     after = operator_writes()
     written = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}

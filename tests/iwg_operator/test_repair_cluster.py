@@ -16,14 +16,15 @@ from iwg_operator.controller import group_from_body
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.cluster.waiting import eventually
+from tests.cluster.waiting import eventually, steady
 from tests.iwg_operator.conftest import Groups
 
 pytestmark = pytest.mark.cluster
 
 # How soon a repair must be done: the operator watches its children, so a repair is one pass of the group's
-# loop (plus the watch's delivery), far less than this.
-REPAIR_WITHIN_S = 10.0
+# loop (plus the watch's delivery), far less than this (which leaves room for a loaded machine, where any
+# process may stall for seconds).
+REPAIR_WITHIN_S = 30.0
 WRITE_VERBS = ("create", "apply", "patch", "delete")
 
 
@@ -204,8 +205,9 @@ def test_children_deleted_or_edited_by_hand_come_back_and_nothing_else_is_rewrit
         return driver.get("status") == "True" or drivers[0].metadata.name in str(driver.get("message"))
 
     eventually(whole_again, what="the group's status whole again")
-    time.sleep(2)
-    written = api_writes() - writes_before
+    # Whatever the repairs still had under way has landed: no write for 5 s.
+    settled = steady(api_writes, for_s=5, timeout=60, what="the operator's writes after the repairs")
+    written = settled - writes_before
     children_written = {
         k: v for k, v in written.items() if k[1] not in ("pods", "inferenceworkergroups", "events")
     }
@@ -219,7 +221,6 @@ def test_children_deleted_or_edited_by_hand_come_back_and_nothing_else_is_rewrit
         ("create", "secrets"): 1,
     }, written
     # Settled again: no writes at all.
-    settled = api_writes()
     time.sleep(5)
     assert api_writes() == settled, "a repaired group keeps writing"
     groups.delete(name)

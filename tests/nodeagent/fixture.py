@@ -72,7 +72,7 @@ class NodeAgentProcess:
     def token(self) -> str:
         return str(self.state["token"])
 
-    def start(self, timeout: float = 30) -> NodeAgentProcess:
+    def start(self, timeout: float = 120) -> NodeAgentProcess:
         ready = self.workdir / "ready.json"
         cmd = [
             sys.executable,
