@@ -11,7 +11,7 @@ next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving.
 
 Stopping. SIGINT (and a local executor's shutdown, or its death: `parent_watch`): the in-flight call finishes
-(heartbeats, marked draining, go on meanwhile, however long it runs), a goodbye is sent (no heartbeat after
+(heartbeats go on meanwhile, however long it runs), a goodbye is sent (no heartbeat after
 it), the process exits 0. SIGTERM (an evicted or deleted pod) drains first, as a generation
 server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
 the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
