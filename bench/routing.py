@@ -8,8 +8,10 @@
 Workload: `iwg serve` of SmolLM2-135M-Instruct (its converted directory) with 2 replicas, started once per
 policy and round (one after the other, each with the machine to itself; ``--rounds`` rounds, every other one
 in the reverse order, since the first server of a run was the slowest whichever policy it served). ``--users`` users arrive at a fixed rate
-(``--rate`` per second); user u talks to system prompt u mod ``--systems`` (each about ``--system-tokens``
-tokens of text of its own) and has ``--turns`` turns, each a streamed chat completion of ``--output-tokens``
+(``--rate`` per second); each user talks to one system prompt (each about ``--system-tokens`` tokens of text
+of its own), the same number of users to each, in an order shuffled once (seed 0, the same for every policy and
+round: users taken in system order, u mod ``--systems``, alternated between the replicas so that least-loaded
+routing put each system's first turns on one replica by accident) and has ``--turns`` turns, each a streamed chat completion of ``--output-tokens``
 tokens (greedy, end-of-sequence ignored) whose answer joins the conversation before the next turn.
 
 Each server first answers one short request (not measured). Printed per policy: TTFT p50/p99 (first turns and returning turns apart), output tokens/s over the run, the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import re
 import sys
 import tempfile
@@ -77,6 +80,8 @@ async def workload(url: str, args: argparse.Namespace, run: PolicyRun) -> None:
     import aiohttp
 
     systems = [system_prompt(s, args.system_tokens) for s in range(args.systems)]
+    system_of = [u % args.systems for u in range(args.users)]
+    random.Random(0).shuffle(system_of)
     first_done = asyncio.Event()
     firsts_left = args.users
     marks: dict[str, dict[str, float]] = {}
@@ -107,7 +112,7 @@ async def workload(url: str, args: argparse.Namespace, run: PolicyRun) -> None:
     async def user(session: aiohttp.ClientSession, u: int) -> None:
         nonlocal firsts_left
         await asyncio.sleep(u / args.rate)
-        messages = [{"role": "system", "content": systems[u % args.systems]}]
+        messages = [{"role": "system", "content": systems[system_of[u]]}]
         for t in range(args.turns):
             messages.append({"role": "user", "content": f"User {u}, turn {t}: what should I check next?"})
             reply = await turn(session, messages, returning=t > 0)
