@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +18,7 @@ from iwg_worker.driver.pool import ReplicaStartup, ReplicaState
 from iwg_worker.driver.service import Driver
 
 from tests.iwg_worker.driver.fakes import FakePool
-from tests.iwg_worker.driver.test_driver_routing import embed, metric, serve
+from tests.iwg_worker.driver.test_driver_routing import embed, metric, serve, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,11 +28,6 @@ def at_zero() -> FakePool:
     pool = FakePool(replicas=1, delay_s=0.05)
     pool.replicas[0].state = ReplicaState.JOINING
     return pool
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 def waiting(driver: Driver) -> float:
