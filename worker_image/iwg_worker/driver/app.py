@@ -131,7 +131,8 @@ async def _parse(request: web.Request, model: type[M]) -> M:
         raise ApiError(400, f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
-    _check_strings(body, "")
+    if b"\x00" in raw or _SURROGATE_ESCAPE.search(raw):  # else no string of the body can hold one
+        _check_strings(body, "")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -149,22 +150,38 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
 
 
+# A lone surrogate can reach a UTF-8 JSON text only as a \u escape (UTF-8 cannot encode one): a body without any
+# \uD800-\uDFFF spelling holds none, and its strings need no look (walking a prompt of 4,096 token ids took
+# 1.5 ms here, the look 0.01 ms). An escaped backslash before "uD8.." matches too: then the strings are looked at and pass. json.loads
+# also takes UTF-16 and UTF-32, whose bytes spell the escape apart: a body with a NUL byte (never in UTF-8
+# JSON) is always looked at.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
 def _check_strings(value: Any, path: str) -> None:
     """Every string of the body (keys too) must be UTF-8 encodable: JSON's \\u escapes can spell a lone
-    surrogate, which no tokenizer takes and the wire to the workers cannot carry."""
+    surrogate, which no tokenizer takes and the wire to the workers cannot carry. A field's path is spelt
+    out only for the values that need a look (a prompt of token ids is a list of numbers: skipped at once)."""
     if isinstance(value, str):
         _check_text(value, path)
     elif isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else key
             _check_text(key, where)
-            _check_strings(item, where)
+            if isinstance(item, str | dict | list):
+                _check_strings(item, where)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_strings(item, f"{path}[{index}]")
+            if isinstance(item, str):
+                if not item.isascii():
+                    _check_text(item, f"{path}[{index}]")
+            elif isinstance(item, dict | list):
+                _check_strings(item, f"{path}[{index}]")
 
 
 def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return  # no surrogate is ASCII
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -16,6 +16,7 @@ class DriverMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._replica_states: dict[int, str] = {}  # the state last published per replica
         self.queue_depth = Gauge(
             "iwg_queue_depth", "Inputs waiting in the driver's queue for a batch slot", registry=r
         )
@@ -186,6 +187,9 @@ class DriverMetrics:
         )
 
     def set_replica_state(self, replica: int, state: str) -> None:
+        if self._replica_states.get(replica) == state:
+            return  # unchanged (the router publishes at every claim and release of a replica)
+        self._replica_states[replica] = state
         for s in REPLICA_STATES:
             self.replica_state.labels(replica=str(replica), state=s).set(1.0 if s == state else 0.0)
 
