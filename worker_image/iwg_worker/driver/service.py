@@ -330,6 +330,9 @@ class Driver:
         async def collect(choice: _Choice) -> list[dict[str, Any]]:
             return [item async for item in self._generate(choice.request, choice.usage)]
 
+        if len(choices) == 1:  # no task (see _chunks)
+            await asyncio.sleep(0)
+            return [await collect(choices[0])]
         return await _all_or_none([collect(c) for c in choices])
 
     async def _chunks(
@@ -343,6 +346,35 @@ class Driver:
         """Every choice's chunks as they come; a last one with ``usage`` when ``stream_options.include_usage``."""
         arrived = await self.activation.hold()  # before the first chunk: a refusal is a plain error response
         created = int(time.time())
+        head = {"id": chunk_id, "object": kind, "created": created, "model": req.model}
+        if len(choices) == 1:
+            # One choice (n = 1, one prompt: most requests): its items straight from its stream, without the
+            # task and queue that interleave several choices (a task switch per token saved). It starts one
+            # turn of the loop later, as a task would: requests that leave `hold` together (an activation)
+            # reach their replicas in arrival order whatever their n, streamed or not.
+            await asyncio.sleep(0)
+            choice = choices[0]
+            async with contextlib.aclosing(self._generate(choice.request, choice.usage)) as items:
+                async for item in items:
+                    if arrived is not None:
+                        self.activation.answered(arrived)
+                        arrived = None
+                    yield {**head, "choices": [render(choice, item)]}
+        else:
+            async with contextlib.aclosing(self._interleaved(choices, head, render, arrived)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": _usage(choices).model_dump()}
+
+    async def _interleaved(
+        self,
+        choices: list[_Choice],
+        head: dict[str, Any],
+        render: Callable[[_Choice, dict[str, Any]], dict[str, Any]],
+        arrived: float | None,
+    ) -> AsyncGenerator[dict[str, Any]]:
+        """Several choices' chunks in the order their items come, each choice's stream read by a task of its own."""
         queue: asyncio.Queue[tuple[_Choice, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -355,7 +387,6 @@ class Driver:
             await queue.put((choice, None))
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
-        head = {"id": chunk_id, "object": kind, "created": created, "model": req.model}
         try:
             remaining = len(tasks)
             first = True
@@ -370,8 +401,6 @@ class Driver:
                     self.activation.answered(arrived)
                     first = False
                 yield {**head, "choices": [render(choice, item)]}
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield {**head, "choices": [], "usage": _usage(choices).model_dump()}
         finally:
             for task in tasks:
                 task.cancel()
