@@ -45,3 +45,21 @@ def test_deltas_decoded_a_window_at_a_time_join_to_the_whole_text(tokenizer: Any
     assert any("\ufffd" in tokenizer.decode(ids[:n]) for n in range(1, 40))  # characters split over tokens
     # Each step decodes a window of the newest tokens, not the whole output again.
     assert decoded_tokens < (2 * DECODE_WINDOW + 8) * len(ids), (decoded_tokens, len(ids))
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "stop_token_ids", "finish"),
+    [
+        (False, (), "stop"),  # the EOS ended it
+        (True, (), "length"),  # the EOS was just a token: max_tokens ended it
+        (True, (7,), "stop"),  # a stop token the request named ends it, EOS ignored or not
+    ],
+)
+def test_the_finish_reason_of_a_request_whose_last_token_ends_sequences(
+    ignore_eos: bool, stop_token_ids: tuple[int, ...], finish: str
+) -> None:
+    last = stop_token_ids[0] if stop_token_ids else 0  # 0: the engine's EOS here
+    params = SamplingParams(max_tokens=3, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+    stream = RequestStream(GenerationRequest("r", (1,), params), lambda ids: "x" * len(ids), frozenset({0}))
+    item, _ = stream.update([5, 6, last], True, None)
+    assert item is not None and item["finish_reason"] == finish

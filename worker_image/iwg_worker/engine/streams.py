@@ -68,7 +68,10 @@ class RequestStream:
             generated = generated[: self._tokens_for(generated, stop_at)]
         elif engine_finished:
             last = generated[-1] if generated else None
-            hit_stop_token = last is not None and (last in params.stop_token_ids or last in self._eos)
+            # An end-of-sequence token ends a request only when it does not ignore them: one that does and
+            # was cut at max_tokens on an EOS finished by length (as vLLM reports it).
+            eos = frozenset() if params.ignore_eos else self._eos
+            hit_stop_token = last is not None and (last in params.stop_token_ids or last in eos)
             finish = "stop" if hit_stop_token else "length"
         if finish is None:
             ready = len(text) - _held_back(text, params.stop)
