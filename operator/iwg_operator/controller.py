@@ -136,6 +136,10 @@ class GroupState:
     hashed: tuple[builders.Group, str] | None = None  # the children hash of a group object, computed once
     # (replica, rank) -> the incarnation of the pod last created for it (pods of a rank are numbered upwards).
     incarnations: dict[tuple[int, int], int] = field(default_factory=dict)
+    # replica -> the epoch of its creation this operator made last (creations of a replica are numbered upwards),
+    # and pod name -> the epoch it was created with (for pods the watch has not shown yet).
+    epochs: dict[int, int] = field(default_factory=dict)
+    pod_epochs: dict[str, int] = field(default_factory=dict)
 
     @property
     def current_status(self) -> Mapping[str, Any]:
@@ -804,6 +808,29 @@ class Controller:
         state.incarnations[(replica, rank)] = incarnation
         return incarnation
 
+    def _replica_epochs(self, state: GroupState, replicas: set[int]) -> dict[int, int]:
+        """The epoch each of `replicas`' new pods joins: the one of the replica's pods that are not going away (the
+        ranks this pod makes a replica with, made in an earlier pass or by another leader), else a new creation of
+        the replica, numbered above every epoch this operator made or its index shows for it (as incarnations)."""
+        pods = _expected(list(self._pods(state.key)), state.expected_present, state.expected_gone)
+        live: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for p in pods:
+            seen[p.replica] = max(seen.get(p.replica, 0), p.epoch)
+            if p.epoch and not p.terminating:
+                live[p.replica] = max(live.get(p.replica, 0), p.epoch)
+        for name in state.expected_present:  # created, not shown by the watch yet
+            replica, _ = _replica_rank(name)
+            live[replica] = max(live.get(replica, 0), state.pod_epochs.get(name, 0))
+        result: dict[int, int] = {}
+        for replica in replicas:
+            if live.get(replica):
+                result[replica] = live[replica]
+                continue
+            floor = max(seen.get(replica, 0), state.epochs.get(replica, 0))
+            result[replica] = state.epochs[replica] = max(time.time_ns(), floor + 1)
+        return result
+
     async def _create_pods(
         self,
         state: GroupState,
@@ -817,6 +844,7 @@ class Controller:
         created: list[tuple[int, int]] = []
         wave = group.spec.world_size
         indexed = self._highest_incarnations(state)
+        epochs = self._replica_epochs(state, {replica for replica, _ in todo})
         while todo:
             batch, todo = todo[:wave], todo[wave:]
             # Nodes where a worker reported a device fault (the prober keeps them in the status): kept off.
@@ -834,6 +862,7 @@ class Controller:
                         if gang and replica not in loose
                         else None,
                         self._next_incarnation(state, replica, rank, indexed),
+                        epochs[replica],
                     ),
                     avoided,
                 )
@@ -852,6 +881,7 @@ class Controller:
                 if isinstance(result, BaseException):
                     raise result
                 state.expected_present[manifest["metadata"]["name"]] = deadline
+                state.pod_epochs[manifest["metadata"]["name"]] = epochs[replica]
                 created.append((replica, rank))
             wave *= 2
         return created, None

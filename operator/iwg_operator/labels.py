@@ -26,6 +26,8 @@ WORLD_SIZE_ANNOTATION: Final = f"{PREFIX}/world-size"
 # Which creation of its rank a worker pod is: higher than every earlier pod of that rank (drivers refuse older
 # ones: wiring.INCARNATION).
 INCARNATION: Final = f"{PREFIX}/incarnation"
+# Which creation of its replica a worker pod belongs to (wiring.REPLICA_EPOCH): shared by the ranks made together.
+REPLICA_EPOCH: Final = f"{PREFIX}/replica-epoch"
 # On a group: set or change it (any value, e.g. the time) and the operator makes new CURVE keys and a new admin
 # token and rolls every pod. On the group's Secret: the value its keys were made for.
 ROTATE_KEYS: Final = f"{PREFIX}/rotate-keys"

@@ -55,6 +55,7 @@ class ObservedPod:
     ended: str | None = None
     pod_group: str | None = None  # spec.schedulingGroup.podGroupName: the PodGroup it names, if any
     incarnation: int = 0  # which creation of its rank it is (labels.INCARNATION; 0: none)
+    epoch: int = 0  # which creation of its replica it belongs to (labels.REPLICA_EPOCH; 0: none)
     deletion_deadline: str | None = None  # metadata.deletionTimestamp: its deletion's time plus grace period
 
     @property
@@ -100,6 +101,7 @@ def observe_pod(body: Mapping[str, Any]) -> ObservedPod | None:
         ended=_ended(status),
         pod_group=((body.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") or None,
         incarnation=_integer((metadata.get("annotations") or {}).get(labels.INCARNATION)),
+        epoch=_integer((metadata.get("annotations") or {}).get(labels.REPLICA_EPOCH)),
         deletion_deadline=metadata.get("deletionTimestamp"),
     )
 

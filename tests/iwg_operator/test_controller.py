@@ -810,3 +810,59 @@ async def test_where_the_api_is_not_served_pods_are_placed_one_by_one_and_it_is_
     events = [b for (plural, _), b in kube.objects.items() if plural == "events"]
     assert [e["reason"] for e in events].count("GangSchedulingUnavailable") == 1
     assert state.current_status["phase"] == "Running"
+
+
+def replica_epoch(kube: RecordingKube, name: str) -> int:
+    """A worker pod's replica epoch (annotation and IWG_REPLICA_EPOCH, which must agree)."""
+    pod = kube.objects[("pods", name)]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["IWG_REPLICA_EPOCH"] == pod["metadata"]["annotations"]["inference.iwg.dev/replica-epoch"]
+    return int(env["IWG_REPLICA_EPOCH"])
+
+
+async def sharded_group(policy: str) -> tuple[RecordingKube, Controller, GroupState]:
+    kube = RecordingKube()
+    ctl = controller(kube)
+    group_body = body(replicas=1, worldSize=2, health={"restartPolicy": policy})
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    ctl.groups[state.key] = state
+    await ctl.reconcile(state)
+    await ctl.reconcile(state)
+    return kube, ctl, state
+
+
+async def test_a_replica_created_again_meets_under_a_new_epoch_that_its_old_ranks_do_not_have(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ranks of one creation of a replica share an epoch (their torch.distributed store's keys are the
+    epoch's, iwg_worker.distributed); a replica that lost a rank is torn down and created again under a higher
+    one, even with the clock set back, so a process of the old creation that comes back meets no new rank."""
+    kube, ctl, state = await sharded_group("Replica")
+    first = replica_epoch(kube, "g-r0-w0")
+    assert first > 0 and replica_epoch(kube, "g-r0-w1") == first
+    monkeypatch.setattr("iwg_operator.controller.time.time_ns", lambda: first - 10**12)  # set back
+    del kube.objects[("pods", "g-r0-w1")]  # rank 1 lost: its replica is torn down
+    state.expected_present.clear()
+    for _ in range(3):
+        await ctl.reconcile(state)
+    assert ("delete", "pods", "g-r0-w0") in kube.calls, "the replica was not torn down"
+    second = replica_epoch(kube, "g-r0-w0")
+    assert second > first and replica_epoch(kube, "g-r0-w1") == second
+
+
+async def test_a_rank_created_alone_joins_the_epoch_of_the_ranks_it_makes_a_replica_with() -> None:
+    """restartPolicy Pod: a lost rank is created again alone, into the replica whose other ranks stay; it must
+    meet them, so it takes their epoch, also while the watch has not shown them yet."""
+    kube, ctl, state = await sharded_group("Pod")
+    first = replica_epoch(kube, "g-r0-w0")
+    del kube.objects[("pods", "g-r0-w1")]
+    state.expected_present.clear()
+    await ctl.reconcile(state)
+    assert ("delete", "pods", "g-r0-w0") not in kube.calls
+    assert replica_epoch(kube, "g-r0-w1") == first
+    # The same before the watch shows rank 0: the pod this operator just created counts.
+    state.expected_present["g-r0-w0"] = time.monotonic() + 30
+    state.pod_epochs["g-r0-w0"] = first
+    hidden = kube.objects.pop(("pods", "g-r0-w0"))
+    assert ctl._replica_epochs(state, {0}) == {0: first}
+    kube.objects[("pods", "g-r0-w0")] = hidden

@@ -1,6 +1,10 @@
 """torch.distributed for a replica's ranks, and a tensor-parallel reference module.
 
-Ranks rendezvous at ``MASTER_ADDR:MASTER_PORT`` (rank 0's address), gloo on CPU and nccl on CUDA.
+Ranks rendezvous at ``MASTER_ADDR:MASTER_PORT`` (rank 0's address), gloo on CPU and nccl on CUDA. Pods of
+the operator's carry a replica epoch (``IWG_REPLICA_EPOCH``: which creation of the replica they belong to); the
+ranks then meet in rank 0's store under keys of that epoch only, so a rank process of an earlier creation that
+comes back (a resumed SIGSTOP, a partitioned node) finds none of the new ranks' keys and they none of its: it can
+take no one's place in the process group and times out alone.
 `TensorParallelMLP` splits a two-layer MLP across ranks (first layer by output rows, second by input
 columns, one all-reduce): the sharded result equals the unsharded one and each shard alone does not, which
 the tests check. Models are sharded by transformers' own tensor-parallel loading (`iwg_worker.models.sharding`).
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from iwg_operator.api import wiring
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,7 @@ class Rendezvous:
     master_port: int
     rank: int
     world_size: int
+    epoch: int = 0  # wiring.REPLICA_EPOCH (0: none, as under `iwg serve`: the store's keys unprefixed)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Rendezvous:
@@ -37,6 +43,7 @@ class Rendezvous:
             master_port=int(env.get(wiring.MASTER_PORT) or wiring.DEFAULT_MASTER_PORT),
             rank=int(env[wiring.TORCH_RANK]),
             world_size=int(env[wiring.TORCH_WORLD_SIZE]),
+            epoch=int(env.get(wiring.REPLICA_EPOCH) or 0),
         )
 
 
@@ -63,14 +70,39 @@ def init_distributed(rendezvous: Rendezvous, device: torch.device, timeout_s: fl
     if dist.is_initialized():
         return str(dist.get_backend())
     backend = backend_for(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not rendezvous.epoch:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+            rank=rendezvous.rank,
+            world_size=rendezvous.world_size,
+            timeout=timeout,
+        )
+        return backend
+    # Rank 0 serves the store. It does not count connections (world_size None): a stale rank's connect must
+    # not stand in for a current one; what makes the group is the keys, and every key is the epoch's.
+    store = TCPStore(
+        rendezvous.master_addr,
+        rendezvous.master_port,
+        None,
+        is_master=rendezvous.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+        store=PrefixStore(epoch_prefix(rendezvous.epoch), store),
         rank=rendezvous.rank,
         world_size=rendezvous.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return backend
+
+
+def epoch_prefix(epoch: int) -> str:
+    """The store keys of one creation of a replica."""
+    return f"iwg/replica-epoch/{epoch}/"
 
 
 def destroy_distributed() -> None:

@@ -17,6 +17,11 @@ POD_NAME: Final = "IWG_POD_NAME"
 # drivers accept hellos only from the newest incarnation of a rank they have seen, so a replaced process that
 # comes back (a partitioned node, a resumed SIGSTOP) never serves again. Absent or 0: `iwg serve`, no fencing.
 INCARNATION: Final = "IWG_INCARNATION"
+# Which creation of its replica a worker pod belongs to: the ranks of a replica created together share it, and a
+# replica torn down and created again gets a higher one. The ranks meet in torch.distributed's store under this
+# epoch only, so a rank process of an earlier creation that comes back never meets, let alone joins a collective
+# of, the ranks that replaced it. Absent or 0: `iwg serve`, the store's keys unprefixed.
+REPLICA_EPOCH: Final = "IWG_REPLICA_EPOCH"
 POD_IP: Final = "IWG_POD_IP"
 
 # ZMQ wiring: the driver binds both, workers connect. Values are tcp://host:port (ipc:// locally).

@@ -145,9 +145,11 @@ def worker_pod(
     settings: BuildSettings,
     pod_group: str | None = None,
     incarnation: int = 0,
+    epoch: int = 0,
 ) -> Manifest:
     """One rank's pod; `pod_group` names the replica's PodGroup under gang placement (immutable on a pod);
-    `incarnation` numbers this creation of the rank (0: none), for the drivers to fence older ones."""
+    `incarnation` numbers this creation of the rank (0: none), for the drivers to fence older ones; `epoch` this
+    creation of the replica (0: none), for its ranks to meet only each other (wiring.REPLICA_EPOCH)."""
     spec = group.spec
     name = pod_name(group.name, replica, rank)
     rev = revision(group, settings)
@@ -162,6 +164,9 @@ def worker_pod(
     if incarnation:
         meta["annotations"][labels.INCARNATION] = str(incarnation)
         env.append({"name": wiring.INCARNATION, "value": str(incarnation)})
+    if epoch:
+        meta["annotations"][labels.REPLICA_EPOCH] = str(epoch)
+        env.append({"name": wiring.REPLICA_EPOCH, "value": str(epoch)})
     model_volumes, model_mounts = model_volume(group)
     health = spec.health
     http_get = {"port": HEALTH_PORT_NAME, "scheme": "HTTP"}

@@ -64,6 +64,7 @@ def worker_env(
     heartbeat_interval_s: float = wiring.DEFAULT_HEARTBEAT_INTERVAL_S,
     master_addr: str | None = None,
     master_port: int | None = None,
+    replica_epoch: int = 0,
     pod_name: str | None = None,
 ) -> dict[str, str]:
     """The wiring-contract environment for one worker process (what a pod builder writes)."""
@@ -104,6 +105,8 @@ def worker_env(
     if master_addr:
         env[wiring.MASTER_ADDR] = master_addr
         env[wiring.MASTER_PORT] = str(master_port or wiring.DEFAULT_MASTER_PORT)
+    if replica_epoch:
+        env[wiring.REPLICA_EPOCH] = str(replica_epoch)
     return env
 
 
@@ -245,7 +248,10 @@ class MultiprocExecutor(RemoteExecutor):
         return replica * self.world_size + rank
 
     def _launch_replica(self, replica: int) -> None:
+        # Each launch of a sharded replica: a rendezvous port and a replica epoch of its own (a rank of an
+        # earlier launch still running meets none of this one's, as under the operator).
         master_port = free_port() if self.world_size > 1 else None
+        epoch = time.time_ns() if self.world_size > 1 else 0
         config = self._config
         for rank in range(self.world_size):
             # All of the group's settings (the KV cache's size too); this process's place in it.
@@ -259,6 +265,7 @@ class MultiprocExecutor(RemoteExecutor):
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 master_addr="127.0.0.1" if self.world_size > 1 else None,
                 master_port=master_port,
+                replica_epoch=epoch,
             )
             env[wiring.LOCAL_RANK] = str(local_rank(replica, rank, self.world_size, self._gpus))
             env.update(self._extra_env)
