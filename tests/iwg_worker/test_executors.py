@@ -625,3 +625,67 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
             sock.close(linger=0)
         context.term()
         executor.shutdown()
+
+
+def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() -> None:
+    """The whole machine stalls (both cores taken, a paused container): the driver's I/O thread and the worker
+    are silent together for longer than the heartbeat timeout. When the driver runs again, the worker's next
+    heartbeat may not have arrived yet: the driver must not count its own stall as the worker's silence (CI lost
+    a stream so, under four lanes). A worker that then stays silent is still dropped within the timeout. A raw
+    socket stands in for the rank; the stall is the I/O thread's tick hook sleeping while the rank sends
+    nothing."""
+    interval, stall = 1.0, 4.5  # timeout 3 s, shorter than the stall
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=1,
+        world_size=1,
+        insecure=True,
+        group="g",
+        heartbeat_interval_s=interval,
+    )
+    context = zmq.Context()
+    dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
+    dealer.routing_id = b"rank"
+    for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
+        sock.linger = 0
+        sock.connect(endpoint)
+    left: list[str] = []
+    executor.subscribe(lambda event: left.append(event.reason) if event.kind == "left" else None)
+
+    def beat(kind: str = "heartbeat") -> None:
+        push.send_multipart(protocol.encode_hello(protocol.Hello(kind, "g", 0, 0, 1, "pod-0", b"rank", {})))
+
+    stalling, resumed = threading.Event(), threading.Event()
+    tick = executor._on_tick
+
+    def stalled_tick() -> None:
+        if stalling.is_set() and not resumed.is_set():
+            time.sleep(stall)
+            resumed.set()
+        tick()
+
+    executor._on_tick = stalled_tick  # type: ignore[method-assign]
+    try:
+        beat("hello")
+        executor.wait_until_serving(timeout=30)
+        stalling.set()  # the machine stalls: the I/O thread sleeps, the rank sends nothing
+        assert resumed.wait(stall + 30)
+        time.sleep(0.5)  # the I/O thread looks at the members' silence before the rank's next heartbeat
+        assert left == [] and executor.serving_replicas() == {0}, left
+        for _ in range(3):  # the rank beats again, as it does after a stall
+            beat()
+            last_beat = time.monotonic()
+            time.sleep(interval)
+        assert left == [] and executor.serving_replicas() == {0}, left
+        # Now the rank is gone: dropped a timeout after its last heartbeat (and a tick or two).
+        deadline = last_beat + 3 * interval + 10
+        while not left:
+            assert time.monotonic() < deadline, "a silent rank was never dropped"
+            time.sleep(0.05)
+        assert "no heartbeat" in left[0] and time.monotonic() - last_beat >= 3 * interval - 0.1, left
+    finally:
+        for sock in (dealer, push):
+            sock.close(linger=0)
+        context.term()
+        executor.shutdown()

@@ -136,6 +136,7 @@ class RemoteExecutor(Executor):
         self._serving: frozenset[int] = frozenset()
         self._subscribers: list[MembershipCallback] = []
         self._closed = threading.Event()
+        self._expiry_checked_at = time.monotonic()  # the I/O thread's last look at the members' silence
         self._io_thread = threading.Thread(target=self._io_loop, name="iwg-executor-io", daemon=True)
         self._io_thread.start()
 
@@ -558,6 +559,15 @@ class RemoteExecutor(Executor):
                     self._member_left(key[0], key[1], "connection lost")
 
     def _expire_members(self, now: float) -> None:
+        paused = now - self._expiry_checked_at
+        self._expiry_checked_at = now
+        if paused > self.heartbeat_interval_s:
+            # This thread did not run for that long: the process stalled (a loaded machine, a throttled or paused
+            # container, a long GIL hold). The workers' silence in that time is ours, not theirs, and what they
+            # sent may still be on its way in; as Cassandra's failure detector ignores a local pause, none of it
+            # counts (a worker that died meanwhile is found a heartbeat timeout later).
+            for state in list(self._members.values()):
+                state.last_seen = min(now, state.last_seen + paused)
         for key, state in list(self._members.items()):
             silent = now - state.last_seen
             if silent > self.heartbeat_timeout_s:
