@@ -505,6 +505,8 @@ def test_sigint_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     assert isinstance(error, ReplicaLostError) and "goodbye" in error.reason and error.method == "echo"
     assert [wp.process.returncode for wp in multiproc.processes] == [0, 0]
     assert sorted(e.rank for e in events if e.kind == "left" and e.reason.startswith("goodbye")) == [0, 1]
+    # Their heartbeats after the SIGINT said they were stopping: the replica took nothing new meanwhile.
+    assert any(e.kind == "draining" for e in events), events
 
 
 def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:

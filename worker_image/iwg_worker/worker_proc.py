@@ -11,7 +11,8 @@ next execution. The output thread also sends the
 heartbeats. Errors become structured replies and the loop keeps serving.
 
 Stopping. SIGINT (and a local executor's shutdown, or its death: `parent_watch`): the in-flight call finishes
-(heartbeats go on meanwhile, however long it runs), a goodbye is sent (no heartbeat after
+(heartbeats go on meanwhile, however long it runs, with ``capabilities.draining`` set from the next one, so the
+drivers send the replica nothing new), a goodbye is sent (no heartbeat after
 it), the process exits 0. SIGTERM (an evicted or deleted pod) drains first, as a generation
 server must: a heartbeat goes to every driver at once with ``capabilities.draining`` set, so the drivers send
 the replica nothing new (one rank draining drains its replica), and the worker serves on (calls, the engine's
@@ -468,8 +469,13 @@ class WorkerProc:
                     "pid": os.getpid(),
                     "incarnation": self.config.incarnation,
                     "startup": self._startup(),
-                    # Draining after SIGTERM: no new requests for this replica (drivers that know the key).
-                    **({"draining": True} if self._drain_deadline is not None else {}),
+                    # Draining after SIGTERM, or stopping after SIGINT (it runs what it has, then leaves): no new
+                    # requests for this replica (drivers that know the key).
+                    **(
+                        {"draining": True}
+                        if self._drain_deadline is not None or self._stopping.is_set()
+                        else {}
+                    ),
                 },
             )
         )
