@@ -590,7 +590,12 @@ class Controller:
             replica, rank = _replica_rank(name)
             result.append(
                 planning.ObservedPod(
-                    name=name, group=state.key[1], replica=replica, rank=rank, revision=desired.revision
+                    name=name,
+                    group=state.key[1],
+                    replica=replica,
+                    rank=rank,
+                    revision=desired.revision,
+                    epoch=state.pod_epochs.get(name, 0),
                 )
             )
         return result
@@ -629,6 +634,22 @@ class Controller:
                     self._gang_api_ready = None
                 raise
         return served
+
+    async def delete_unhealthy(self, state: GroupState, pods: Iterable[planning.ObservedPod]) -> None:
+        """The health prober's replacement: `pods` deleted with grace period 0, all counted as going before the
+        first is deleted, so a pass that runs between the deletions neither takes a rank still listed for one of
+        a replica that stays (it would create the lost rank again under the old replica epoch, which the fence
+        is for) nor creates a rank beside them."""
+        group = state.group
+        if group is None:
+            return
+        pods = list(pods)
+        deadline = time.monotonic() + EXPECTATION_SECONDS
+        for pod in pods:
+            if pod.uid:
+                state.expected_gone[pod.uid] = deadline
+        for pod in pods:
+            await self.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
 
     async def retire_pod_group(self, state: GroupState, replica: int) -> None:
         """Before a whole replica is replaced (health restart policy Replica): its PodGroup goes first, which
@@ -817,14 +838,16 @@ class Controller:
         seen: dict[int, int] = {}
         for p in pods:
             seen[p.replica] = max(seen.get(p.replica, 0), p.epoch)
-            if p.epoch and not p.terminating:
+            if (
+                not p.terminating
+            ):  # epoch 0: made before epochs (an upgraded operator); its peers meet without
                 live[p.replica] = max(live.get(p.replica, 0), p.epoch)
         for name in state.expected_present:  # created, not shown by the watch yet
             replica, _ = _replica_rank(name)
             live[replica] = max(live.get(replica, 0), state.pod_epochs.get(name, 0))
         result: dict[int, int] = {}
         for replica in replicas:
-            if live.get(replica):
+            if replica in live:
                 result[replica] = live[replica]
                 continue
             floor = max(seen.get(replica, 0), state.epochs.get(replica, 0))
@@ -872,17 +895,28 @@ class Controller:
                 WRITE_CONCURRENCY, *(self.kube.create(PODS, group.namespace, m) for m in manifests)
             )
             deadline = time.monotonic() + EXPECTATION_SECONDS
+            refused: str | None = None
+            failed: BaseException | None = None
+            # Every pod made is recorded before a refusal or an error ends the batch: the next pass must see it
+            # (its rank's peers take its replica epoch) even while the watch lags.
             for (replica, rank), manifest, result in zip(batch, manifests, results, strict=True):
                 if isinstance(result, ApiError) and result.status == 409:
                     continue  # it exists: the index will show it
                 if isinstance(result, ApiError) and result.refusal:
-                    refusal = name_group_fields(result.message)
-                    return created, f"pod {manifest['metadata']['name']}: {refusal}"
+                    refused = (
+                        refused or f"pod {manifest['metadata']['name']}: {name_group_fields(result.message)}"
+                    )
+                    continue
                 if isinstance(result, BaseException):
-                    raise result
+                    failed = failed or result
+                    continue
                 state.expected_present[manifest["metadata"]["name"]] = deadline
                 state.pod_epochs[manifest["metadata"]["name"]] = epochs[replica]
                 created.append((replica, rank))
+            if refused is not None:
+                return created, refused
+            if failed is not None:
+                raise failed
             wave *= 2
         return created, None
 

@@ -326,7 +326,7 @@ def plan_pods(
                 delete.extend(sorted(view.live, key=lambda p: -p.rank))
             continue
         if not view.outdated:
-            if desired.whole_replicas and broken(view):
+            if (desired.whole_replicas and broken(view)) or split(view):
                 torn_down.append(view.index)
                 replace.append(view.index)
                 delete.extend(sorted(view.live, key=lambda p: -p.rank))
@@ -367,6 +367,13 @@ def broken(view: ReplicaView) -> bool:
     if view.world_size == 1 or not view.live:
         return False
     return bool(view.terminating) or bool(view.missing_ranks and any(p.ready for p in view.live))
+
+
+def split(view: ReplicaView) -> bool:
+    """A replica whose ranks belong to different creations of it (replica epochs: a race, a creation another
+    leader made): they meet in different rendezvous and never form a group, so it is torn down and made again
+    as a whole, whatever health.restartPolicy says."""
+    return view.world_size > 1 and len({p.epoch for p in view.live}) > 1
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from iwg_operator.health.prober import (
     describe,
     restarts_from_status,
 )
-from iwg_operator.kube import GROUPS, PODS
+from iwg_operator.kube import GROUPS
 from iwg_operator.pod_http import PodClients
 
 log = logging.getLogger("iwg_operator.supervisor")
@@ -138,8 +138,7 @@ class Supervisor:
             if spec.health.restart_policy == "Replica":
                 # Under gang placement the replica's PodGroup goes first and comes back with its new pods.
                 await self.controller.retire_pod_group(state, replacement.failed_pod.replica)
-            for pod in replacement.pods:
-                await self.controller.kube.delete(PODS, group.namespace, pod.name, pod.uid, grace_seconds=0)
+            await self.controller.delete_unhealthy(state, replacement.pods)
             metrics.pod_replaced(
                 "device_fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
             )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import dataclasses
 import time
 import types
 from collections.abc import Callable
@@ -866,3 +868,86 @@ async def test_a_rank_created_alone_joins_the_epoch_of_the_ranks_it_makes_a_repl
     hidden = kube.objects.pop(("pods", "g-r0-w0"))
     assert ctl._replica_epochs(state, {0}) == {0: first}
     kube.objects[("pods", "g-r0-w0")] = hidden
+
+
+async def test_a_rank_made_beside_ranks_of_an_earlier_operator_takes_no_epoch_either() -> None:
+    """After an operator upgrade the pods it finds have no replica epoch (they meet at rank 0's store without
+    one): a rank created beside them must not take one, or it would wait in a rendezvous its peers never join."""
+    kube, ctl, state = await sharded_group("Pod")
+    for name in ("g-r0-w0", "g-r0-w1"):  # as an operator before epochs made them
+        made = kube.objects[("pods", name)]
+        made["metadata"]["annotations"].pop("inference.iwg.dev/replica-epoch")
+        env = made["spec"]["containers"][0]["env"]
+        env[:] = [e for e in env if e["name"] != "IWG_REPLICA_EPOCH"]
+    del kube.objects[("pods", "g-r0-w1")]
+    state.expected_present.clear()
+    await ctl.reconcile(state)
+    remade = kube.objects[("pods", "g-r0-w1")]
+    assert "inference.iwg.dev/replica-epoch" not in remade["metadata"]["annotations"]
+    assert "IWG_REPLICA_EPOCH" not in {e["name"] for e in remade["spec"]["containers"][0]["env"]}
+
+
+async def test_a_replica_the_prober_replaces_gets_a_new_epoch_even_if_a_pass_runs_between_its_deletions() -> (
+    None
+):
+    """The prober deletes a replica's pods one by one (grace period 0). A pass between two deletions must not
+    take the ranks still listed for a replica that stays: the lost rank would be made again under the old epoch,
+    beside old processes that may still run. `delete_unhealthy` counts them all as going first."""
+
+    class HungKube(RecordingKube):
+        """Its pods hung: not Ready (the prober replaces the replica because of it)."""
+
+        def pods(self) -> list[ObservedPod]:
+            return [dataclasses.replace(p, ready=False) for p in super().pods()]
+
+    kube = HungKube()
+    ctl = controller(kube)
+    group_body = body(replicas=1, worldSize=2, health={"restartPolicy": "Replica"})
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    ctl.groups[state.key] = state
+    await ctl.reconcile(state)
+    first = replica_epoch(kube, "g-r0-w0")
+    pods = [p for p in kube.pods() if p.replica == 0]
+    deleting = kube.delete
+
+    async def one_pass_after_the_first(*args: Any, **kwargs: Any) -> bool:
+        gone = await deleting(*args, **kwargs)
+        if ("pods", "g-r0-w1") in kube.objects:
+            await ctl.reconcile(state)  # the pass between the deletions
+        return gone
+
+    kube.delete = one_pass_after_the_first  # type: ignore[method-assign]
+    await ctl.delete_unhealthy(state, sorted(pods, key=lambda p: p.rank))
+    kube.delete = deleting  # type: ignore[method-assign]
+    for _ in range(3):
+        await ctl.reconcile(state)
+    second = replica_epoch(kube, "g-r0-w0")
+    assert second > first and replica_epoch(kube, "g-r0-w1") == second
+
+
+async def test_pods_made_in_a_batch_that_failed_are_counted_so_their_peers_take_their_epoch() -> None:
+    """A creation that fails part-way (one pod refused by a busy API server, its peer made) ends the pass; the
+    pod made is recorded all the same, so the next pass gives the retried rank its epoch even while the watch
+    has not shown the made one yet."""
+    kube = RecordingKube()
+    failing = {"g-r0-w0"}
+    creating = kube.create
+
+    async def create(resource: Any, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        if body["metadata"].get("name") in failing:
+            failing.clear()
+            raise ApiError(503, "ServiceUnavailable", "etcd leader changed")
+        return await creating(resource, namespace, body)
+
+    kube.create = create  # type: ignore[method-assign]
+    ctl = controller(kube)
+    group_body = body(replicas=1, worldSize=2)
+    state = GroupState(key=("ns", "g"), body=group_body, group=group_from_body(group_body))
+    ctl.groups[state.key] = state
+    with contextlib.suppress(Exception):
+        await ctl.reconcile(state)
+    assert ("pods", "g-r0-w1") in kube.objects and ("pods", "g-r0-w0") not in kube.objects
+    made = kube.objects.pop(("pods", "g-r0-w1"))  # the watch has not shown it
+    epoch = int(made["metadata"]["annotations"]["inference.iwg.dev/replica-epoch"])
+    assert state.pod_epochs.get("g-r0-w1") == epoch
+    assert ctl._replica_epochs(state, {0}) == {0: epoch}

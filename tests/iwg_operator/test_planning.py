@@ -479,3 +479,16 @@ def test_gang_status_per_replica_and_condition() -> None:
     assert "gang" not in unserved["replicaStatuses"][0]
     off = status.group_status("g", 1, desired, pods, plan_pods(desired, pods), unserved, "t")
     assert "GangScheduling" not in {c["type"] for c in off["conditions"]}
+
+
+def test_a_replica_whose_ranks_belong_to_different_creations_is_torn_down_whatever_the_policy() -> None:
+    """Ranks of different replica epochs meet in different rendezvous and never form a group: the replica is
+    made again as a whole, under restartPolicy Pod too. Ranks that agree (epochs equal, or all 0: made before
+    epochs) are left alone."""
+    for whole in (False, True):
+        desired = Desired(2, 2, REV, 1, whole_replicas=whole)
+        pods = [pod(0, 0, epoch=5), pod(0, 1, epoch=5), pod(1, 0, epoch=7), pod(1, 1, epoch=8)]
+        plan = plan_pods(desired, pods)
+        assert plan.torn_down == (1,) and {p.name for p in plan.delete} == {"g-r1-w0", "g-r1-w1"}, plan
+        assert plan.create == ()
+        assert plan_pods(desired, [*pods[:2], pod(1, 0), pod(1, 1)]).empty
