@@ -658,13 +658,15 @@ def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() ->
     def beat(kind: str = "heartbeat") -> None:
         push.send_multipart(protocol.encode_hello(protocol.Hello(kind, "g", 0, 0, 1, "pod-0", b"rank", {})))
 
-    stalling, resumed = threading.Event(), threading.Event()
+    stalling, resumed, stalls_again = threading.Event(), threading.Event(), threading.Event()
     tick = executor._on_tick
 
     def stalled_tick() -> None:
         if stalling.is_set() and not resumed.is_set():
             time.sleep(stall)
             resumed.set()
+        if stalls_again.is_set():
+            time.sleep(1.5 * interval)  # every turn: a driver that stalls over and over
         tick()
 
     executor._on_tick = stalled_tick  # type: ignore[method-assign]
@@ -686,6 +688,18 @@ def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() ->
             assert time.monotonic() < deadline, "a silent rank was never dropped"
             time.sleep(0.05)
         assert "no heartbeat" in left[0] and time.monotonic() - last_beat >= 3 * interval - 0.1, left
+        # Back, then gone again while the driver stalls at every turn: its excuses are bounded (one timeout
+        # since the last heartbeat), so the rank is still dropped.
+        left.clear()
+        beat("hello")
+        executor.wait_until_serving(timeout=30)
+        last_beat = time.monotonic()
+        stalls_again.set()
+        deadline = last_beat + 2 * 3 * interval + 30
+        while not left:
+            assert time.monotonic() < deadline, "a silent rank was never dropped by a driver that stalls"
+            time.sleep(0.05)
+        stalls_again.clear()
     finally:
         for sock in (dealer, push):
             sock.close(linger=0)

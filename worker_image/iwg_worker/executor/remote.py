@@ -62,6 +62,9 @@ class _MemberState:
     last_seen: float  # monotonic
     reachable: bool  # a ping went through the rpc socket: calls can be routed to it
     draining: bool = False  # its heartbeat said it is leaving (``capabilities.draining``: SIGTERM)
+    # Seconds of this driver's own stalls not counted against its silence since its last heartbeat (at most
+    # one heartbeat timeout: a driver that stalls again and again still drops a worker that is gone).
+    excused: float = 0.0
 
 
 class RemoteExecutor(Executor):
@@ -497,6 +500,7 @@ class RemoteExecutor(Executor):
         state = self._members.get(key)
         if state is not None and state.member.routing_id == hello.routing_id:
             state.last_seen = now
+            state.excused = 0.0
             self._note_draining(key, state, hello)
             return
         if state is not None:
@@ -564,10 +568,17 @@ class RemoteExecutor(Executor):
         if paused > self.heartbeat_interval_s:
             # This thread did not run for that long: the process stalled (a loaded machine, a throttled or paused
             # container, a long GIL hold). The workers' silence in that time is ours, not theirs, and what they
-            # sent may still be on its way in; as Cassandra's failure detector ignores a local pause, none of it
-            # counts (a worker that died meanwhile is found a heartbeat timeout later).
+            # sent may still be on its way in; as Cassandra's failure detector ignores a local pause, it does not
+            # count (a worker that died meanwhile is found two heartbeat intervals later).
+            # Each member then has two heartbeat intervals left to be heard, however long the stall was; the
+            # excuse is bounded by one timeout per heartbeat, so a driver that stalls over and over still drops
+            # a worker that is gone.
+            heard_by = now - max(0.0, self.heartbeat_timeout_s - 2 * self.heartbeat_interval_s)
             for state in list(self._members.values()):
-                state.last_seen = min(now, state.last_seen + paused)
+                credit = min(heard_by - state.last_seen, self.heartbeat_timeout_s - state.excused)
+                if credit > 0:
+                    state.excused += credit
+                    state.last_seen += credit
         for key, state in list(self._members.items()):
             silent = now - state.last_seen
             if silent > self.heartbeat_timeout_s:
