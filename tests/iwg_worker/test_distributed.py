@@ -18,14 +18,16 @@ from iwg_operator.api import wiring
 pytestmark = pytest.mark.timeout(300)
 
 # One rank: init the process group from the environment as a worker does, all-reduce its incarnation (so the sum
-# says who was in the group), print it.
+# says who was in the group), print it, and leave as a worker does (os._exit: the interpreter's teardown of a
+# gloo group whose peer already left aborted now and then, "terminate called without an active exception").
 RANK = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from iwg_worker import distributed
 distributed.init_distributed(distributed.Rendezvous.from_env(), torch.device("cpu"), float(sys.argv[1]))
 value = torch.tensor([int(sys.argv[2])], dtype=torch.int64)
 dist.all_reduce(value)
 print("sum", int(value.item()), flush=True)
+os._exit(0)
 """
 
 STALE_TIMEOUT_S = 20.0  # the stale rank's own rendezvous timeout: it gives up alone
