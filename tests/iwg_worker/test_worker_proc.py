@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -269,3 +270,28 @@ async def test_an_idle_draining_rank_of_a_sharded_replica_stays_for_a_request_se
         assert ("draining", 1) in [(e.kind, e.rank) for e in events]
     finally:
         executor.shutdown()
+
+
+def test_a_failed_lookup_of_the_drivers_name_keeps_the_drivers_it_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker looks the drivers' headless Service up every heartbeat and closes the links to drivers no
+    longer named (failing every call in flight there). A lookup that fails (a DNS server restarting, or too slow
+    under load: the vLLM e2e lost 11 requests in one moment so, "replica 0 lost ranks [0] ... (connection lost)")
+    names no one and must keep what the name gave last; a lookup that answers is taken as it is."""
+    answers: list[list[str] | None] = [["10.0.0.7", "10.0.0.8"], None, ["10.0.0.8"]]
+
+    def getaddrinfo(host: str, port: object, **kwargs: object) -> list[tuple[object, ...]]:
+        addresses = answers.pop(0)
+        if addresses is None:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in addresses]
+
+    monkeypatch.setattr(worker_proc.socket, "getaddrinfo", getaddrinfo)
+    rpc, response = "tcp://g-driver.ns.svc:5555,ipc:///tmp/x", "tcp://g-driver.ns.svc:5556,ipc:///tmp/y"
+    named: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    both = [("tcp://10.0.0.7:5555", "tcp://10.0.0.7:5556"), ("tcp://10.0.0.8:5555", "tcp://10.0.0.8:5556")]
+    local = ("ipc:///tmp/x", "ipc:///tmp/y")
+    assert worker_proc.driver_endpoints(rpc, response, named) == [*both, local]
+    assert worker_proc.driver_endpoints(rpc, response, named) == [*both, local]  # the lookup failed
+    assert worker_proc.driver_endpoints(rpc, response, named) == [both[1], local]  # one driver went

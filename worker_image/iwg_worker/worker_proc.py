@@ -23,7 +23,7 @@ generation engine (one call at a time) stops after its in-flight call, as on SIG
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
 resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
-pod), again every heartbeat. The worker keeps one link (a DEALER and a PUSH) per driver, serves the calls of
+pod), again every heartbeat (a lookup that fails keeps the drivers the name gave last). The worker keeps one link (a DEALER and a PUSH) per driver, serves the calls of
 every link in turn and replies on the link the call came from; heartbeats, goodbyes and streamed output go
 to every link (a driver drops stream items of requests it does not know). A link whose address left the name
 is closed.
@@ -219,9 +219,16 @@ class WorkerProcConfig:
         )
 
 
-def driver_endpoints(rpc_endpoints: str, response_endpoints: str) -> list[tuple[str, str]]:
+def driver_endpoints(
+    rpc_endpoints: str,
+    response_endpoints: str,
+    last_named: dict[tuple[str, str], list[tuple[str, str]]] | None = None,
+) -> list[tuple[str, str]]:
     """Every driver the endpoints name, as (rpc, response) pairs: a tcp host name resolves to one pair per
-    address it has; an address, ipc or inproc is itself. A name that does not resolve (yet) gives none."""
+    address it has; an address, ipc or inproc is itself. A name that does not resolve gives what it named the
+    last time it did (`last_named`, kept up to date here), or none: a failed lookup (a DNS server restarting or
+    too slow to answer) says nothing about the drivers, and closing their links would fail every call they have
+    in flight on this worker."""
     pairs: list[tuple[str, str]] = []
     for rpc_endpoint, response_endpoint in zip(
         rpc_endpoints.split(","), response_endpoints.split(","), strict=True
@@ -230,13 +237,19 @@ def driver_endpoints(rpc_endpoints: str, response_endpoints: str) -> list[tuple[
             pairs.append((rpc_endpoint, response_endpoint))
             continue
         rpc, response = urlsplit(rpc_endpoint), urlsplit(response_endpoint)
+        name = (rpc_endpoint, response_endpoint)
         try:
             infos = socket.getaddrinfo(rpc.hostname, None, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
+            pairs.extend((last_named or {}).get(name, ()))
             continue
+        named = []
         for address in sorted({str(info[4][0]) for info in infos}):
             host = f"[{address}]" if ":" in address else address
-            pairs.append((f"tcp://{host}:{rpc.port}", f"tcp://{host}:{response.port}"))
+            named.append((f"tcp://{host}:{rpc.port}", f"tcp://{host}:{response.port}"))
+        if last_named is not None:
+            last_named[name] = named
+        pairs.extend(named)
     return list(dict.fromkeys(pairs))
 
 
@@ -364,8 +377,10 @@ class WorkerProc:
         self._send_lock = threading.Lock()
         # The drivers to link to (the resolver thread's latest answer) and the links (the busy loop's; a new
         # list on every change, so other threads read a consistent one without a lock).
+        # What each driver name resolved to last (a failed lookup keeps it: `driver_endpoints`).
+        self._named: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self._wanted: tuple[tuple[str, str], ...] = tuple(
-            driver_endpoints(config.rpc_endpoint, config.response_endpoint)
+            driver_endpoints(config.rpc_endpoint, config.response_endpoint, self._named)
         )
         self.links: list[_DriverLink] = []
         # Messages whose sender found the send lock taken: the next holder of the lock moves them to their
@@ -706,7 +721,9 @@ class WorkerProc:
     def _resolve_loop(self) -> None:
         """Resolve the drivers' names once per heartbeat; the busy loop links to what they name."""
         while not self._stopping.wait(self.config.heartbeat_interval_s):
-            self._wanted = tuple(driver_endpoints(self.config.rpc_endpoint, self.config.response_endpoint))
+            self._wanted = tuple(
+                driver_endpoints(self.config.rpc_endpoint, self.config.response_endpoint, self._named)
+            )
 
     def _sync_links(self) -> list[_DriverLink]:
         """Open a link to each driver newly named, close those no longer named (busy loop thread)."""
