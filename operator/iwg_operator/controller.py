@@ -838,9 +838,8 @@ class Controller:
         seen: dict[int, int] = {}
         for p in pods:
             seen[p.replica] = max(seen.get(p.replica, 0), p.epoch)
-            if (
-                not p.terminating
-            ):  # epoch 0: made before epochs (an upgraded operator); its peers meet without
+            # Epoch 0 counts too: a pod an operator of an earlier version made, whose peers meet without one.
+            if not p.terminating:
                 live[p.replica] = max(live.get(p.replica, 0), p.epoch)
         for name in state.expected_present:  # created, not shown by the watch yet
             replica, _ = _replica_rank(name)

@@ -23,10 +23,10 @@ generation engine (one call at a time) stops after its in-flight call, as on SIG
 
 Several drivers: the endpoints may be comma-separated lists (paired by position), and a tcp host name is
 resolved to every address it has (the operator gives the drivers' headless Service, one address per driver
-pod), again every heartbeat (a lookup that fails keeps the drivers the name gave last). The worker keeps one link (a DEALER and a PUSH) per driver, serves the calls of
-every link in turn and replies on the link the call came from; heartbeats, goodbyes and streamed output go
-to every link (a driver drops stream items of requests it does not know). A link whose address left the name
-is closed.
+pod), again every heartbeat (a lookup that fails keeps the drivers the name gave last). The worker keeps one
+link (a DEALER and a PUSH) per driver, serves the calls of every link in turn and replies on the link the
+call came from; heartbeats, goodbyes and streamed output go to every link (a driver drops stream items of
+requests it does not know). A link whose address left the name is closed.
 
 Links are independent: nothing sent to one driver waits for another. Every send is non-blocking; a message
 its socket has no room for waits in that link's own backlog (at most ``MAX_BACKLOG`` messages, in order), and
@@ -375,10 +375,10 @@ class WorkerProc:
         self.routing_id = f"{self.replica}/{self.rank}/{uuid.uuid4().hex[:8]}".encode()
         self._keys = CurveKeys.load(config.curve_dir) if config.curve_dir else None
         self._send_lock = threading.Lock()
-        # The drivers to link to (the resolver thread's latest answer) and the links (the busy loop's; a new
-        # list on every change, so other threads read a consistent one without a lock).
         # What each driver name resolved to last (a failed lookup keeps it: `driver_endpoints`).
         self._named: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        # The drivers to link to (the resolver thread's latest answer) and the links (the busy loop's; a new
+        # list on every change, so other threads read a consistent one without a lock).
         self._wanted: tuple[tuple[str, str], ...] = tuple(
             driver_endpoints(config.rpc_endpoint, config.response_endpoint, self._named)
         )

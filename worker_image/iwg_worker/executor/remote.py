@@ -568,11 +568,9 @@ class RemoteExecutor(Executor):
         if paused > self.heartbeat_interval_s:
             # This thread did not run for that long: the process stalled (a loaded machine, a throttled or paused
             # container, a long GIL hold). The workers' silence in that time is ours, not theirs, and what they
-            # sent may still be on its way in; as Cassandra's failure detector ignores a local pause, it does not
-            # count (a worker that died meanwhile is found two heartbeat intervals later).
-            # Each member then has two heartbeat intervals left to be heard, however long the stall was; the
-            # excuse is bounded by one timeout per heartbeat, so a driver that stalls over and over still drops
-            # a worker that is gone.
+            # sent may still be on its way in; as Cassandra's failure detector ignores a local pause, each member
+            # then has two heartbeat intervals left to be heard, however long the stall was. The excuse is bounded
+            # by one timeout per heartbeat, so a driver that stalls over and over still drops a worker that is gone.
             heard_by = now - max(0.0, self.heartbeat_timeout_s - 2 * self.heartbeat_interval_s)
             for state in list(self._members.values()):
                 credit = min(heard_by - state.last_seen, self.heartbeat_timeout_s - state.excused)
