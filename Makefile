@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.iwg-installed
 
-.PHONY: setup cluster-bins node-deps lint test test-fast demo demo-local cluster-up cluster-down crds docs bench clean
+.PHONY: setup cluster-bins node-deps image-test lint test test-fast demo demo-local cluster-up cluster-down crds docs bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,15 @@ node-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi; \
 	tests/realnodes/image.sh >/dev/null
+
+# The worker image from worker_image/Dockerfile, built here with buildah on a base made from Debian's packages
+# (tests/image/build.sh, cached by its inputs), then a group of it served by a real kubelet (tests/image).
+# Not part of `make test`: a cold build takes minutes and 5 GB (docs/development.md, "The worker image").
+image-test: setup cluster-bins node-deps
+	@set -e; if [ "$$(id -u)" != 0 ]; then echo "image-test: needs root (buildah, real nodes)"; exit 1; fi; \
+	dpkg-query -W -f='$${Status}\n' buildah 2>/dev/null | grep -q 'install ok installed' || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah; }
+	IWG_WORKER_IMAGE_ARCHIVE="$$(tests/image/build.sh)" $(BIN)/python -m pytest -q -ra -p no:cacheprovider tests/image $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check operator worker_image tests bench

@@ -45,9 +45,11 @@ class RealCluster:
 
 
 @contextlib.contextmanager
-def real_cluster_running(count: int = 2) -> Iterator[RealCluster]:
+def real_cluster_running(
+    count: int = 2, extra_images: tuple[Path, ...] = (), test_environment: bool = True
+) -> Iterator[RealCluster]:
     cp = ControlPlane(name="iwg-nodes")
-    nodes = RealNodes(cp, count)
+    nodes = RealNodes(cp, count, extra_images, test_environment)
     cp.apiserver_args = tuple(nodes.apiserver_args())
     operator: subprocess.Popen[bytes] | None = None
     try:

@@ -105,9 +105,21 @@ class RealNodes:
     """`count` real nodes joined to `control_plane` (started with `apiserver_args()`); `start()` returns once
     every node is Ready."""
 
-    def __init__(self, control_plane: ControlPlane, count: int = 2) -> None:
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        count: int = 2,
+        extra_images: tuple[Path, ...] = (),
+        test_environment: bool = True,
+    ) -> None:
+        """``extra_images``: docker archives imported into every node besides the pause and light images.
+        ``test_environment``: every container gets the test environment (this checkout, its venv and Python
+        bind-mounted read-only, ``CONTAINER_ENV``); without it containers get only what their image and pod
+        give them, as on any cluster (the built worker image's test, tests/image)."""
         self.cp = control_plane
         self.count = count
+        self.extra_images = extra_images
+        self.test_environment = test_environment
         self.workdir = Path(tempfile.mkdtemp(prefix="iwg-nodes-"))
         self.token = secrets.token_hex(3)
         self.nodes: list[Node] = []
@@ -319,26 +331,27 @@ class RealNodes:
 
     def _start_containerd(self, node: Node) -> None:
         spec = json.loads(self._in(node.netns, node.holder.pid, "ctr oci spec", capture=True))
-        spec["process"]["env"] = [
-            *spec["process"].get("env", []),
-            *(f"{key}={value}" for key, value in CONTAINER_ENV.items()),
-        ]
-        # containerd sets the default PATH in every container: the environment's commands (iwg-worker,
-        # iwg-driver, python) are found through /usr/local/bin, where its bin directory is mounted.
-        python_home = Path(os.path.realpath(sys.executable)).parents[1]
-        for source, destination in (
-            (REPO_ROOT, REPO_ROOT),
-            (python_home, python_home),
-            (Path(sys.prefix) / "bin", Path("/usr/local/bin")),
-        ):
-            spec["mounts"].append(
-                {
-                    "destination": str(destination),
-                    "type": "bind",
-                    "source": str(source),
-                    "options": ["rbind", "ro"],
-                }
-            )
+        if self.test_environment:
+            spec["process"]["env"] = [
+                *spec["process"].get("env", []),
+                *(f"{key}={value}" for key, value in CONTAINER_ENV.items()),
+            ]
+            # containerd sets the default PATH in every container: the environment's commands (iwg-worker,
+            # iwg-driver, python) are found through /usr/local/bin, where its bin directory is mounted.
+            python_home = Path(os.path.realpath(sys.executable)).parents[1]
+            for source, destination in (
+                (REPO_ROOT, REPO_ROOT),
+                (python_home, python_home),
+                (Path(sys.prefix) / "bin", Path("/usr/local/bin")),
+            ):
+                spec["mounts"].append(
+                    {
+                        "destination": str(destination),
+                        "type": "bind",
+                        "source": str(source),
+                        "options": ["rbind", "ro"],
+                    }
+                )
         base_spec = node.workdir / "etc" / "base-spec.json"
         base_spec.write_text(json.dumps(spec))
         (node.workdir / "cni" / "10-iwg.conflist").write_text(
@@ -398,8 +411,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             f"containerd of {node.name}",
             self,
         )
-        for archive in ("pause.tar", "worker.tar"):
-            self._in(node.netns, node.holder.pid, f"{ctr} images import {archives / archive} >/dev/null")
+        for archive in (archives / "pause.tar", archives / "worker.tar", *self.extra_images):
+            # A built worker image is about 5 GB (torch with its CUDA libraries): minutes to unpack.
+            self._in(node.netns, node.holder.pid, f"{ctr} images import {archive} >/dev/null", timeout=900)
 
     def _start_kubelet(self, node: Node) -> None:
         config = node.workdir / "etc" / "kubelet.yaml"
@@ -518,11 +532,15 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     def _nsenter(self, node: Node, argv: list[str]) -> list[str]:
         return ["nsenter", f"--net={node.netns}", f"--mount=/proc/{node.holder.pid}/ns/mnt", "--", *argv]
 
-    def _in(self, netns: str, mount_pid: int | None, script: str, capture: bool = False) -> str:
+    def _in(
+        self, netns: str, mount_pid: int | None, script: str, capture: bool = False, timeout: float = 120
+    ) -> str:
         argv = ["nsenter", f"--net={netns}"]
         if mount_pid is not None:
             argv.append(f"--mount=/proc/{mount_pid}/ns/mnt")
-        done = subprocess.run([*argv, "--", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [*argv, "--", "sh", "-c", script], capture_output=True, text=True, timeout=timeout
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{script!r} failed: {done.stderr.strip()}")
         return done.stdout
