@@ -1,4 +1,4 @@
-"""Where the built binaries (control plane, helm, kube-score) are: the cache tests/cluster/build.sh fills."""
+"""Where the built binaries (control plane, real nodes, helm, kube-score) are: the cache tests/cluster/build.sh fills."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ BUILT = (
     "helm",
     "kwok",
     "kube-score",
+    "deviceplugin",
 )
 
 

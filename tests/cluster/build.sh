@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the binaries the tests run (kube-apiserver, kube-scheduler, kube-controller-manager, etcd, the
-# real nodes' kubelet, kube-proxy and CoreDNS, helm, kwok, kube-score) from their Go modules at the versions
-# pinned in versions.env. Each binary is cached under a key of its own recipe (module, version, link flags,
-# toolchain, tools module files), so changing one pin rebuilds that binary alone. Builds only what is
+# real nodes' kubelet, kube-proxy, CoreDNS and simulated-GPU device plugin, helm, kwok, kube-score) from
+# their Go modules at the versions pinned in versions.env (the device plugin is ours: tools/deviceplugin).
+# Each binary is cached under a key of its own recipe (module, version, link flags, toolchain, tools
+# module files), so changing one pin rebuilds that binary alone. Builds only what is
 # missing; concurrent callers wait on a lock per binary instead of building twice. Prints the binary directory last.
 #
 #   tests/cluster/build.sh                   # everything
@@ -16,7 +17,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 tools="$here/tools"
-all=(etcd kube-apiserver kube-scheduler kube-controller-manager kubelet kube-proxy coredns helm kwok kube-score)
+all=(etcd kube-apiserver kube-scheduler kube-controller-manager kubelet kube-proxy coredns helm kwok kube-score
+  deviceplugin)
 
 die() { echo "build.sh: $*" >&2; exit 1; }
 
@@ -51,6 +53,8 @@ ldflags[coredns]="-s -w" tooldir[coredns]="" toolchain[coredns]=""
 module[kube-score]=github.com/zegl/kube-score version[kube-score]=$KUBE_SCORE_VERSION
 package[kube-score]=github.com/zegl/kube-score/cmd/kube-score
 ldflags[kube-score]="-s -w -X main.version=$KUBE_SCORE_VERSION" tooldir[kube-score]="" toolchain[kube-score]=""
+module[deviceplugin]=iwg.dev/tools/deviceplugin version[deviceplugin]="(devel)" package[deviceplugin]=.
+ldflags[deviceplugin]="-s -w" tooldir[deviceplugin]=deviceplugin toolchain[deviceplugin]=""
 
 # A binary's cache key: its recipe and the files of its tools module, nothing of the other binaries.
 key_of() {
@@ -115,6 +119,9 @@ build_one() {
 # module has changed, say go.sum lines added for another binary) that this recipe would have built, if any.
 earlier_build() {
   local name="$1" candidate
+  # Our own module (the device plugin): its build information names no version of its source, so a build
+  # of other source would look like this recipe's. Never taken over: it builds in seconds.
+  [[ "${module[$name]}" == iwg.dev/* ]] && return 1
   for candidate in "$cache_root"/bin-*/"$name" "$store/$name"-*/"$name"; do
     [[ -f "$candidate" && ! -L "$candidate" && -x "$candidate" ]] || continue
     if built_by_recipe "$name" "$candidate"; then

@@ -182,12 +182,25 @@ class RealNodes:
             raise RuntimeError(f"relay to {ip}:{port}: {answer}")
         return int(answer)
 
-    def advertise_gpus(self, node_name: str, count: int) -> None:
-        """Simulated GPUs: `nvidia.com/gpu` added to the node's capacity by a status patch (an extended
-        resource, as an administrator advertises one); the kubelet keeps it and derives its allocatable, the
-        scheduler counts it. No device is set up in the containers: no device plugin is involved."""
+    def advertise_gpus(self, node_name: str, count: int, timeout: float = 60) -> None:
+        """Simulated GPUs through the kubelet's own path: a device plugin on the node
+        (tests/cluster/tools/deviceplugin) registers `count` healthy `nvidia.com/gpu` devices with its
+        kubelet, which counts them in the node's capacity, admits pods against them and, for each container it
+        allocates devices to, sets the plugin's visible devices (``NVIDIA_VISIBLE_DEVICES`` with the device
+        IDs, ``CUDA_VISIBLE_DEVICES`` with their indices) in its environment. Called again, the node's plugin
+        is replaced by one with the new count. Returns once the node's allocatable shows `count`."""
+        node = next(n for n in self.nodes if n.name == node_name)
+        name = f"{node.name}-deviceplugin"
+        stop_processes([r for r in self._procs if r.name == name], grace_s=2.0)
+        self._procs = [r for r in self._procs if r.name != name]
+        self._spawn(name, self._nsenter(node, [str(binaries.binary("deviceplugin")), f"--count={count}"]))
         core = client.CoreV1Api(self.cp.api_client())
-        core.patch_node_status(node_name, {"status": {"capacity": {GPU_RESOURCE: str(count)}}})
+        _wait_for(
+            lambda: (core.read_node(node_name).status.allocatable or {}).get(GPU_RESOURCE) == str(count),
+            timeout,
+            f"{count} GPUs in {node_name}'s allocatable",
+            self,
+        )
 
     def container_pid(self, node_name: str, container_id: str) -> int:
         """The host pid of a container's first process (`container_id` as a pod's status gives it)."""

@@ -185,17 +185,16 @@ def test_the_kubelet_runs_the_liveness_probe_the_operator_wrote(
     assert unhealthy and all("/healthz" in message for message in unhealthy), [e.message for e in events]
 
 
-def test_simulated_gpus_advertised_on_a_real_node_are_scheduled_and_admitted_by_its_kubelet(
+def test_simulated_gpus_of_a_device_plugin_are_scheduled_admitted_and_made_visible_by_the_kubelet(
     real_cluster: RealCluster,
 ) -> None:
+    """The node's device plugin registers four GPUs with its kubelet: two pods of two GPUs each run there,
+    each container given its own two devices in its environment by the kubelet's allocation; a fifth GPU is
+    asked for in vain (Pending, unscheduled)."""
     cluster, core = real_cluster, real_cluster.core
     node = cluster.nodes.names[-1]
-    cluster.nodes.advertise_gpus(node, 2)
-    eventually(
-        lambda: core.read_node(node).status.allocatable.get(GPU_RESOURCE) == "2",
-        30,
-        "the kubelet's allocatable to count the GPUs",
-    )
+    cluster.nodes.advertise_gpus(node, 4)
+    assert core.read_node(node).status.capacity.get(GPU_RESOURCE) == "4"
 
     def pod(name: str, gpus: int) -> dict[str, Any]:
         limits = {GPU_RESOURCE: str(gpus)}
@@ -213,21 +212,34 @@ def test_simulated_gpus_advertised_on_a_real_node_are_scheduled_and_admitted_by_
             "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]},
         }
 
-    core.create_namespaced_pod(cluster.namespace, pod("two-gpus", 2))
-    core.create_namespaced_pod(cluster.namespace, pod("three-gpus", 3))
+    def visible(name: str) -> tuple[set[str], set[str]]:
+        env = cluster.control_plane.kubectl("exec", "-n", cluster.namespace, name, "--", "env").stdout
+        values = dict(line.split("=", 1) for line in env.splitlines() if "=" in line)
+        ids = set(values.get("NVIDIA_VISIBLE_DEVICES", "").split(",")) - {""}
+        indices = set(values.get("CUDA_VISIBLE_DEVICES", "").split(",")) - {""}
+        return ids, indices
+
+    names = ("two-gpus-a", "two-gpus-b", "one-more-gpu")
+    for name, gpus in zip(names, (2, 2, 1), strict=True):
+        core.create_namespaced_pod(cluster.namespace, pod(name, gpus))
     try:
-        running = eventually(
-            lambda: (
-                (p := core.read_namespaced_pod("two-gpus", cluster.namespace)).status.phase == "Running" and p
-            ),
-            60,
-            "the pod asking for two GPUs running",
-        )
-        assert running.spec.node_name == node
-        waiting = core.read_namespaced_pod("three-gpus", cluster.namespace)
+        for name in names[:2]:
+            running = eventually(
+                lambda name=name: (
+                    (p := core.read_namespaced_pod(name, cluster.namespace)).status.phase == "Running" and p
+                ),
+                60,
+                f"{name} running",
+            )
+            assert running.spec.node_name == node
+        (ids_a, indices_a), (ids_b, indices_b) = visible(names[0]), visible(names[1])
+        assert len(ids_a) == len(ids_b) == 2 and not ids_a & ids_b, (ids_a, ids_b)
+        assert ids_a | ids_b == {f"gpu-{i}" for i in range(4)}
+        assert {f"gpu-{i}" for i in indices_a} == ids_a and {f"gpu-{i}" for i in indices_b} == ids_b
+        waiting = core.read_namespaced_pod(names[2], cluster.namespace)
         assert waiting.status.phase == "Pending" and waiting.spec.node_name is None
     finally:
-        for name in ("two-gpus", "three-gpus"):
+        for name in names:
             core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
 
 
