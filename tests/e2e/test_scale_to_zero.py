@@ -148,7 +148,8 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
                 # The cold start in the group's status, in its parts (from the worker's hello): a pod started
                 # for it, SmolLM2 loaded; the parts add up to the whole. The first answer after the replica
                 # serves is printed beside a full engine step of the warm replica, not bounded: under the
-                # suite's load a fresh process's first step took 12.7 s against 7.0 s warm.
+                # suite's load a fresh process's first step took 12.7 s against 7.0 s warm. The bound is
+                # measured quiet by `python -m bench.cold_start --burst 32` (docs/benchmarks.md).
                 eventually(
                     lambda before=activation: (
                         last_activation(groups, name).get("phases")
