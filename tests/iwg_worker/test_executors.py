@@ -509,6 +509,40 @@ def test_sigint_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     assert any(e.kind == "draining" for e in events), events
 
 
+class RawRanks:
+    """Raw ZMQ sockets standing in for worker processes of replica 0 of group "g": each process a DEALER on the
+    executor's RPC endpoint (its routing id) and a PUSH on its response endpoint, which says hello, beats and
+    says goodbye only when the test says."""
+
+    def __init__(self, executor: ClusterExecutor, world_size: int = 1) -> None:
+        self.executor = executor
+        self.world_size = world_size
+        self.context = zmq.Context()
+        self.sockets: list[zmq.Socket[bytes]] = []
+        self.pushes: dict[bytes, zmq.Socket[bytes]] = {}
+
+    def connect(self, routing_id: bytes) -> None:
+        dealer, push = self.context.socket(zmq.DEALER), self.context.socket(zmq.PUSH)
+        dealer.routing_id = routing_id
+        for sock, endpoint in ((dealer, self.executor.rpc_endpoint), (push, self.executor.response_endpoint)):
+            sock.linger = 0
+            sock.connect(endpoint)
+            self.sockets.append(sock)
+        self.pushes[routing_id] = push
+
+    def beat(self, routing_id: bytes, kind: str = "heartbeat", rank: int = 0, **capabilities: object) -> None:
+        hello = protocol.Hello(kind, "g", 0, rank, self.world_size, f"pod-{rank}", routing_id, capabilities)
+        self.pushes[routing_id].send_multipart(protocol.encode_hello(hello))
+
+    def goodbye(self, routing_id: bytes, rank: int = 0) -> None:
+        self.pushes[routing_id].send_multipart(protocol.encode_goodbye(0, rank, "stopping", None))
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.context.term()
+
+
 def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
     """A heartbeat with ``capabilities.draining`` (a worker that got SIGTERM) makes its replica draining, whichever
     rank sends it; the replica still serves (what it runs finishes) and is draining until that rank's goodbye.
@@ -526,24 +560,13 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
     )
     events: list[MembershipEvent] = []
     executor.subscribe(events.append)
-    context = zmq.Context()
-    sockets = []
+    ranks = RawRanks(executor, world_size=2)
     try:
-        pushes = []
         for rank in (0, 1):
-            dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
-            dealer.routing_id = f"rank-{rank}".encode()
-            for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
-                sock.linger = 0
-                sock.connect(endpoint)
-                sockets.append(sock)
-            pushes.append(push)
+            ranks.connect(f"rank-{rank}".encode())
 
         def beat(rank: int, kind: str = "heartbeat", **capabilities: object) -> None:
-            hello = protocol.Hello(
-                kind, "g", 0, rank, 2, f"pod-{rank}", f"rank-{rank}".encode(), capabilities
-            )
-            pushes[rank].send_multipart(protocol.encode_hello(hello))
+            ranks.beat(f"rank-{rank}".encode(), kind, rank, **capabilities)
 
         beat(0, "hello")
         beat(1, "hello")
@@ -561,16 +584,14 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
         time.sleep(0.2)
         assert executor.draining_replicas() == {0}
         assert sum(e.kind == "draining" for e in events) == 1
-        pushes[1].send_multipart(protocol.encode_goodbye(0, 1, "stopping", None))
+        ranks.goodbye(b"rank-1", rank=1)
         deadline = time.monotonic() + 30
         while executor.serving_replicas():
             assert time.monotonic() < deadline, "the goodbye was not seen"
             time.sleep(0.01)
         assert executor.draining_replicas() == frozenset()
     finally:
-        for sock in sockets:
-            sock.close(linger=0)
-        context.term()
+        ranks.close()
         executor.shutdown()
 
 
@@ -588,44 +609,25 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
         group="g",
         heartbeat_interval_s=30,
     )
-    context = zmq.Context()
-    sockets = []
-
-    def process(routing_id: bytes) -> zmq.Socket[bytes]:
-        dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
-        dealer.routing_id = routing_id
-        for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
-            sock.linger = 0
-            sock.connect(endpoint)
-            sockets.append(sock)
-        return push
-
-    def beat(
-        push: zmq.Socket[bytes], routing_id: bytes, kind: str = "heartbeat", **capabilities: object
-    ) -> None:
-        hello = protocol.Hello(kind, "g", 0, 0, 1, "pod-0", routing_id, capabilities)
-        push.send_multipart(protocol.encode_hello(hello))
-
+    ranks = RawRanks(executor)
     try:
-        old = process(b"old")
-        beat(old, b"old", "hello")
+        ranks.connect(b"old")
+        ranks.beat(b"old", "hello")
         executor.wait_until_serving(timeout=30)
-        old.send_multipart(protocol.encode_goodbye(0, 0, "stopping", None))
+        ranks.goodbye(b"old")
         deadline = time.monotonic() + 30
         while executor.serving_replicas():
             assert time.monotonic() < deadline, "the goodbye was not seen"
             time.sleep(0.01)
-        beat(old, b"old", draining=True)  # sent before the goodbye, come in after it
+        ranks.beat(b"old", draining=True)  # sent before the goodbye, come in after it
         time.sleep(0.5)
         assert executor.serving_replicas() == frozenset() and executor.members() == []
-        new = process(b"new")
-        beat(new, b"new", "hello")
+        ranks.connect(b"new")
+        ranks.beat(b"new", "hello")
         executor.wait_until_serving(timeout=30)
         assert [m.routing_id for m in executor.members()] == [b"new"]
     finally:
-        for sock in sockets:
-            sock.close(linger=0)
-        context.term()
+        ranks.close()
         executor.shutdown()
 
 
@@ -646,17 +648,13 @@ def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() ->
         group="g",
         heartbeat_interval_s=interval,
     )
-    context = zmq.Context()
-    dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
-    dealer.routing_id = b"rank"
-    for sock, endpoint in ((dealer, executor.rpc_endpoint), (push, executor.response_endpoint)):
-        sock.linger = 0
-        sock.connect(endpoint)
+    ranks = RawRanks(executor)
+    ranks.connect(b"rank")
     left: list[str] = []
     executor.subscribe(lambda event: left.append(event.reason) if event.kind == "left" else None)
 
     def beat(kind: str = "heartbeat") -> None:
-        push.send_multipart(protocol.encode_hello(protocol.Hello(kind, "g", 0, 0, 1, "pod-0", b"rank", {})))
+        ranks.beat(b"rank", kind)
 
     stalling, resumed, stalls_again = threading.Event(), threading.Event(), threading.Event()
     tick = executor._on_tick
@@ -701,7 +699,5 @@ def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() ->
             time.sleep(0.05)
         stalls_again.clear()
     finally:
-        for sock in (dealer, push):
-            sock.close(linger=0)
-        context.term()
+        ranks.close()
         executor.shutdown()
