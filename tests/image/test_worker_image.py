@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.cluster.waiting import eventually
-from tests.e2e.harness import group_manifest, live_ready_workers, openai_client, pod_ready
+from tests.e2e.harness import group_manifest, live_ready_workers, openai_client
 from tests.realnodes.fixture import RealCluster, real_cluster_running
 from tests.realnodes.nodes import REPO_ROOT
 
@@ -85,17 +85,7 @@ def test_the_built_worker_image_serves_embeddings_equal_to_sentence_transformers
             "the replica ready",
             interval=1.0,
         )
-        driver = eventually(
-            lambda: [
-                p
-                for p in cluster.core.list_namespaced_pod(
-                    cluster.namespace, label_selector="app.kubernetes.io/component=driver"
-                ).items
-                if pod_ready(p)
-            ],
-            READY_TIMEOUT,
-            "the driver ready",
-        )[0]
+        driver = cluster.ready_driver(GROUP, READY_TIMEOUT)
     except AssertionError as error:
         raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
     print(

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -42,6 +43,18 @@ class RealCluster:
 
     def operator_log(self, lines: int = 30) -> str:
         return self.nodes.log_tail("operator", lines)
+
+    def ready_driver(self, group: str, timeout: float) -> Any:
+        """A ready driver pod of `group`, once there is one."""
+        from tests.cluster.waiting import eventually
+        from tests.e2e.harness import driver_pods, pod_ready
+
+        ready = eventually(
+            lambda: [p for p in driver_pods(self.core, self.namespace, group) if pod_ready(p)],
+            timeout,
+            f"a driver of {group} ready",
+        )
+        return ready[0]
 
 
 @contextlib.contextmanager

@@ -98,17 +98,7 @@ def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_spe
     real_cluster: RealCluster, serving: dict[str, Any]
 ) -> None:
     cluster, core = real_cluster, real_cluster.core
-    driver = eventually(
-        lambda: [
-            p
-            for p in core.list_namespaced_pod(
-                cluster.namespace, label_selector="app.kubernetes.io/component=driver"
-            ).items
-            if pod_ready(p)
-        ],
-        READY_TIMEOUT,
-        "the driver ready",
-    )[0]
+    driver = cluster.ready_driver(GROUP, READY_TIMEOUT)
     port = cluster.nodes.forward(driver.status.pod_ip, 8000)
     api = openai_client("127.0.0.1", port)
     result = api.embeddings.create(model=serving["spec"]["model"]["servedName"], input=["a", "b c"])
