@@ -157,13 +157,29 @@ async def test_worker_error_is_not_retried_and_is_a_server_error() -> None:
 async def test_no_serving_replica_gives_503_with_retry_after() -> None:
     pool = FakePool(replicas=2)
     pool.replicas[0].state = pool.replicas[1].state = ReplicaState.DEAD
-    async with serve(pool) as (client, driver):
+    async with serve(pool, no_replica_grace_s=0.2) as (client, driver):
         status, body, headers = await embed(client, "anyone?")
         ready = await client.get("/readyz")
         assert ready.status == 503
         assert metric(driver, "iwg_rejected_requests_total", {"reason": "no_replica"}) == 1
     assert status == 503 and body["error"]["type"] == "service_unavailable"
     assert int(headers["Retry-After"]) >= 1
+
+
+async def test_a_request_arriving_while_no_replica_serves_is_served_by_one_back_within_the_grace() -> None:
+    """The only replica drops for a moment (a missed heartbeat: it is back at its next one). An embedding request
+    arriving meanwhile waits the grace a generation request waits, and is served; one arriving when none comes
+    back within the grace gets 503."""
+    pool = FakePool(replicas=1)
+    pool.replicas[0].state = ReplicaState.DEAD
+    async with serve(pool, no_replica_grace_s=3.0) as (client, driver):
+        asked = asyncio.create_task(embed(client, "still there?"))
+        await asyncio.sleep(0.5)
+        assert not asked.done()
+        pool.set_state(0, ReplicaState.SERVING)
+        status, body, _ = await asked
+        assert status == 200 and answered_by(body) == [0]
+        assert metric(driver, "iwg_rejected_requests_total", {"reason": "no_replica"}) == 0
 
 
 async def test_queued_inputs_fail_with_503_when_every_replica_dies_and_none_returns() -> None:

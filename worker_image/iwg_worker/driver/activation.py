@@ -5,8 +5,8 @@ request that arrives while no replica serves waits here instead of failing: at m
 (beyond that, 429 with ``Retry-After``), each for at most the timeout (then 503 naming it). Once a replica
 serves, the waiting requests are released in arrival order (each then takes its usual path: the batcher for
 embeddings, a replica's engine for generation). A request whose client leaves while waiting (its handler is
-cancelled) leaves the queue at once. Without a timeout (0) nothing is held: an embedding request is answered
-503 ``no_replica`` at once, a generation request after the router's short grace.
+cancelled) leaves the queue at once. Without a timeout (0) nothing is held: a request waits the router's short
+grace (``no_replica_grace_s``) for a replica to serve, then is answered 503 ``no_replica``.
 
 ``iwg_activation_waiting`` counts the requests waiting here (the autoscaler's signal to scale from zero);
 ``iwg_activation_seconds`` observes, for each request that waited, the time from its arrival to its first

@@ -559,7 +559,11 @@ class Driver:
     ) -> list[ItemResult]:
         """Run every input of one request; `names` are the inputs' fields for errors (default `input[i]`
         for embeddings, `prompt[i]` for completions)."""
-        if not self.router.serving():
+        # No replica serves (the last one dropped a moment ago, a missed heartbeat that its next one undoes, or
+        # a replica being replaced): wait the grace a generation request waits, then refuse.
+        if not self.router.serving() and not await self.router.wait_for_serving(
+            self.router.no_replica_grace_s
+        ):
             self.metrics.rejected.labels(reason="no_replica").inc()
             raise no_replica_error(self.router.no_replica_grace_s)
         try:
