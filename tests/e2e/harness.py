@@ -129,6 +129,10 @@ class Load:
         )
         assert len(result.data) == self.inputs and len(result.data[0].embedding) == 384
 
+    def running(self) -> bool:
+        """Whether its clients still send: not stopped, and not past `max_seconds` (they end by themselves)."""
+        return not self._stop.is_set() and any(thread.is_alive() for thread in self._threads)
+
     def stop(self) -> Load:
         self._stop.set()
         for thread in self._threads:

@@ -76,6 +76,13 @@ class ReadySampler:
         self._thread.join(timeout=10)
 
 
+def load_seconds(serving_timeout: float) -> float:
+    """How long a drain test's load may run before it stops by itself: past both drains at their slowest (in
+    CI the first drain of the worldSize-3 group outlasted the load's default 300 s, and the second drain then
+    counted no answer)."""
+    return 2 * (SETTLE_S * 2 + DRAIN_TIMEOUT_S + 30 + serving_timeout) + 60
+
+
 def drain_each_node(
     node_agent: NodeAgentProcess,
     control_plane: Any,
@@ -94,6 +101,8 @@ def drain_each_node(
     try:
         for node, other in zip(node_agent.nodes, reversed(node_agent.nodes), strict=True):
             time.sleep(SETTLE_S)
+            # A load that ended by itself (its max_seconds) would count no answer and no failure: say so.
+            assert load.running(), f"the load ended before the drain of {node}: max_seconds too short"
             drain: dict[str, Any] = {"node": node, "failed": len(load.failures), "answered": load.ok}
             started = time.monotonic()
             with ReadySampler(core, workspace, name, world_size) as sampler:
@@ -149,7 +158,9 @@ def test_draining_each_node_in_turn_under_load_loses_no_request(
     proxy = ServiceProxy(
         node_agent.gateway, f"{name}-driver.{workspace}.svc.cluster.local", 8000, retry_refused=False
     ).start()
-    load = Load("127.0.0.1", MODEL, clients=2, inputs=4, port=proxy.listen_port).start()  # no retries
+    load = Load(  # no retries
+        "127.0.0.1", MODEL, clients=2, inputs=4, port=proxy.listen_port, max_seconds=load_seconds(180)
+    ).start()
     try:
         drains = drain_each_node(node_agent, control_plane, k8s, workspace, name, load)
     finally:
@@ -185,7 +196,14 @@ def test_draining_each_node_in_turn_moves_a_world_size_3_group_a_replica_at_a_ti
     # One client streaming without pause: a request always running or arriving (more clients only cost the
     # suite's other tests CPU: six ranks on two cores).
     load = ChatLoad(
-        "127.0.0.1", "smollm2", clients=1, max_tokens=16, port=proxy.listen_port, timeout=120, max_retries=2
+        "127.0.0.1",
+        "smollm2",
+        clients=1,
+        max_tokens=16,
+        port=proxy.listen_port,
+        timeout=120,
+        max_retries=2,
+        max_seconds=load_seconds(400),
     ).start()
     try:
         drains = drain_each_node(
