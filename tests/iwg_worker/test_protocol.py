@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 from typing import Any
 
@@ -232,6 +233,44 @@ def test_protocol_works_without_importing_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_reader_of_replies_takes_torch_tensors_as_numpy_without_importing_torch(tmp_path: Any) -> None:
+    """A worker's reply holding torch tensors (float32 embeddings, int64 counts, a bfloat16 tensor inline and
+    framed) decodes, after `decode_tensors_as_numpy` (the driver calls it), to numpy arrays of the same values
+    (bfloat16 widened to float32), and torch is never imported."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    result = {
+        "embeddings": torch.randn(4, 384),
+        "prompt_tokens": torch.tensor([3, 7, 1, 12]),
+        "small": torch.randn(2, 3).to(torch.bfloat16),  # inline (below the frame limit)
+        "large": torch.randn(64, 384).to(torch.bfloat16),  # a frame of its own
+    }
+    frames = protocol.encode_reply(5, 0, 0, result)
+    (tmp_path / "frames").write_bytes(msgpack.packb([bytes(memoryview(f)) for f in frames]))
+    code = (
+        "import json, sys, msgpack, numpy as np\n"
+        "from iwg_worker import protocol\n"
+        "protocol.decode_tensors_as_numpy()\n"
+        f"frames = msgpack.unpackb(open({str(tmp_path / 'frames')!r}, 'rb').read())\n"
+        "reply = protocol.decode(frames)\n"
+        "out = {k: [type(v).__name__, str(v.dtype), v.tolist()] for k, v in reply.result.items()}\n"
+        "out['torch'] = 'torch' in sys.modules\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    assert seen.pop("torch") is False, "decoding imported torch"
+    for key, tensor in result.items():
+        kind, dtype, values = seen[key]
+        assert kind == "ndarray", (key, kind)
+        expected = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+        assert dtype == str(expected.numpy().dtype), (key, dtype)
+        assert values == expected.tolist(), key
 
 
 _ITEM = {

@@ -409,8 +409,27 @@ def _check_tensor(kind: Any, dtype: Any, shape: Any, nbytes: int, what: str) -> 
         )
 
 
+# Whether this process takes torch tensors off the wire as numpy arrays: `decode_tensors_as_numpy`.
+_tensors_as_numpy = False
+
+
+def decode_tensors_as_numpy() -> None:
+    """From now on this process decodes every received tensor as a numpy array (bfloat16 widened to float32),
+    never as a torch tensor: for a process that only reads what workers computed (the driver), so that it never
+    imports torch. The import costs seconds of CPU with the GIL held, and it came with a new driver's first
+    reply: under a CPU limit that driver sent no ping and answered nothing for seconds (its workers counted it
+    lost; under CI's load two requests waited past their clients' 30 s)."""
+    global _tensors_as_numpy
+    _tensors_as_numpy = True
+
+
 def _tensor_from(kind: str, dtype: str, shape: list[int], buf: Any) -> Any:
     if kind == _KIND_NUMPY:
+        return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
+    if _tensors_as_numpy:
+        if dtype == "bfloat16":  # the high half of a float32: widened exactly
+            high = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
+            return high.view(np.float32).reshape(shape)
         return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
     return tensor_from_bytes(buf, dtype, shape)
 

@@ -79,6 +79,10 @@ async def _restart(
             status, vector = await embed(session, url, text)
             assert status == 200 and vector is not None
             reference[text] = vector
+        # The driver decoded the workers' tensors without torch: importing it took seconds with the GIL held,
+        # a new driver's first answers and pings waited for it.
+        libraries = Path(f"/proc/{first.pid}/maps").read_text()
+        assert "libtorch" not in libraries, "the driver imported torch to read its workers' replies"
 
         answers: list[tuple[str, np.ndarray]] = []
         connection_errors: list[str] = []

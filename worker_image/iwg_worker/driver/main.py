@@ -22,6 +22,7 @@ from pathlib import Path
 
 from iwg_operator.api import wiring
 
+from iwg_worker import protocol
 from iwg_worker.driver.service import DriverConfig
 from iwg_worker.model_dir import context_length, vocab_size
 
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The driver process reads what workers computed and computes nothing: it never needs torch (protocol.py
+    # says why). Set for the process, here at its entry point.
+    protocol.decode_tensors_as_numpy()
     try:
         asyncio.run(_run(os.environ))
     except (ConfigError, ValueError) as exc:
