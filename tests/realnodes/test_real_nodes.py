@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -264,10 +265,10 @@ def test_a_clusterip_service_reaches_the_driver_through_kube_proxy(
 # Clients in a worker pod (kubectl exec), where kube-proxy's rules on its node turn the ClusterIP into a driver
 # pod's address: each sends one embedding request after another on a new connection, retrying a failed one up
 # to `retries` times (0: a client without retries), until the stop file appears (in the pod's /tmp), then
-# prints what it saw as one JSON line: requests answered, requests failed (after their retries), attempts
-# that failed.
+# prints what it saw as one JSON line: requests answered, requests failed (after their retries, each with when
+# it was sent, as the host's clock reads: a pod shares its kernel), attempts that failed.
 CLIENTS = """
-import json, os, sys, threading, urllib.request
+import json, os, sys, threading, time, urllib.request
 url, stop, clients, model, retries = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 body = json.dumps({"model": model, "input": "owls at night"}).encode()
 seen = {"ok": 0, "failed": [], "attempts_failed": 0}
@@ -280,6 +281,7 @@ def attempt():
 def client():
     while not os.path.exists(stop):
         for left in range(retries, -1, -1):
+            sent = time.time()
             try:
                 attempt()
                 with lock:
@@ -289,12 +291,37 @@ def client():
                 with lock:
                     seen["attempts_failed"] += 1
                     if not left:
-                        seen["failed"].append(f"{type(error).__name__}: {error}")
+                        seen["failed"].append(
+                            f"{type(error).__name__}: {error} (sent at {sent:.2f}, after {time.time() - sent:.1f} s)"
+                        )
 threads = [threading.Thread(target=client) for _ in range(clients)]
 for t in threads: t.start()
 for t in threads: t.join()
 print(json.dumps(seen))
 """
+
+
+class FollowedLogs:
+    """`kubectl logs -f --timestamps` of a pod into a file, kept after the pod is gone (its logs go with it)."""
+
+    def __init__(self, cluster: RealCluster, pod: str) -> None:
+        cp = cluster.control_plane
+        self.file = tempfile.TemporaryFile()  # noqa: SIM115 (read after the pod is gone, closed with the test)
+        argv = ["logs", "-f", "--timestamps", "-n", cluster.namespace, pod]
+        self.process = subprocess.Popen(
+            [str(cp.bin("kubectl")), "--kubeconfig", str(cp.kubeconfig), *argv],
+            stdout=self.file,
+            stderr=subprocess.STDOUT,
+            env=cp.env(),
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+    def tail(self, chars: int = 4000) -> str:
+        self.file.seek(0)
+        return self.file.read().decode(errors="replace")[-chars:]
 
 
 class ClusterIpClients:
@@ -344,9 +371,12 @@ def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_reque
     cluster, core = real_cluster, real_cluster.core
     before = {p.metadata.name for p in driver_pods(core, cluster.namespace, GROUP)}
     worker = live_ready_workers(core, cluster.namespace, GROUP)[0].metadata.name
+    # The old drivers' logs, kept as they are written: a pod's logs go with it.
+    logs = {name: FollowedLogs(cluster, name) for name in before}
     clients = ClusterIpClients(cluster, serving["spec"]["model"]["servedName"], worker)
     try:
         time.sleep(3.0)  # load before the change
+        patched = time.time()
         cluster.groups.patch(GROUP, {"driver": {"cpu": "400m"}})
 
         def rolled() -> bool:
@@ -362,8 +392,24 @@ def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_reque
         time.sleep(3.0)  # load after it
     finally:
         seen = clients.stop()
+        for followed in logs.values():
+            followed.stop()
     print(f"driver rollout through kube-proxy: {seen['ok']} answered, {len(seen['failed'])} failed")
-    assert seen["failed"] == [], seen["failed"][:5]
+    if seen["failed"]:
+        said = [f"==== patched at {patched:.2f}"]
+        for name, followed in logs.items():
+            said += [f"==== old driver {name}", followed.tail()]
+        for pod in driver_pods(core, cluster.namespace, GROUP):
+            done = cluster.control_plane.kubectl(
+                "logs", "--timestamps", "-n", cluster.namespace, pod.metadata.name, check=False
+            )
+            said += [f"==== new driver {pod.metadata.name}", done.stdout[-4000:]]
+        for pod in live_ready_workers(core, cluster.namespace, GROUP):
+            done = cluster.control_plane.kubectl(
+                "logs", "--timestamps", "-n", cluster.namespace, pod.metadata.name, check=False
+            )
+            said += [f"==== worker {pod.metadata.name}", done.stdout[-3000:]]
+        raise AssertionError(f"{seen['failed'][:5]}\n" + "\n".join(said) + f"\n{diagnose(cluster)}")
     assert seen["ok"] >= 20, seen
 
 
