@@ -598,6 +598,61 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
         executor.shutdown()
 
 
+def test_a_rank_whose_output_flows_stays_a_member_while_its_heartbeats_are_late() -> None:
+    """A rank whose streamed output and replies keep coming is alive, however late its heartbeats: a worker
+    starved of CPU sends what it computes before its heartbeat thread gets a turn (CI's vLLM e2e lost three
+    streams mid-way to 'no heartbeat for 3.0 s' while the replica streamed). Once nothing at all comes from it,
+    it leaves after the heartbeat timeout, as before. A raw socket stands in for the rank."""
+    interval = 0.5  # timeout: 1.5 s
+    executor = ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=1,
+        world_size=1,
+        insecure=True,
+        group="g",
+        heartbeat_interval_s=interval,
+    )
+    events: list[MembershipEvent] = []
+    executor.subscribe(events.append)
+    ranks = RawRanks(executor)
+    item = {
+        "id": "nobody-asked",  # the driver drops items of requests it does not know: only the sender matters
+        "tokens": [5],
+        "text": "a",
+        "logprobs": None,
+        "token_texts": None,
+        "top_logprobs": None,
+        "finish_reason": None,
+        "error": None,
+    }
+    try:
+        ranks.connect(b"rank-0")
+        ranks.beat(b"rank-0", "hello")
+        executor.wait_until_serving(timeout=30)
+        # Four timeouts with no heartbeat: output every 0.1 s, a reply (to no pending call) now and then.
+        flowing_until = time.monotonic() + 4 * executor.heartbeat_timeout_s
+        n = 0
+        while time.monotonic() < flowing_until:
+            n += 1
+            if n % 5:
+                ranks.pushes[b"rank-0"].send_multipart(protocol.encode_stream(0, 0, [item]))
+            else:
+                ranks.pushes[b"rank-0"].send_multipart(protocol.encode_reply(10**6 + n, 0, 0, {"ok": True}))
+            time.sleep(0.1)
+        assert executor.serving_replicas() == {0}, [(e.kind, e.reason) for e in events]
+        assert not [e for e in events if e.kind in ("left", "lost")], [(e.kind, e.reason) for e in events]
+        silent_since = time.monotonic()
+        deadline = silent_since + 30
+        while executor.serving_replicas():
+            assert time.monotonic() < deadline, "a rank that sends nothing at all stayed a member"
+            time.sleep(0.05)
+        assert time.monotonic() - silent_since >= executor.heartbeat_timeout_s - 0.2
+    finally:
+        ranks.close()
+        executor.shutdown()
+
+
 def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None:
     """A worker's last heartbeat can reach the driver after its goodbye (scale to zero caught one in CI: the
     leaving replica served again, and took a request it then cut). That process stops: it stays out, while a

@@ -12,7 +12,9 @@ changes and their callbacks stay on that one thread.
 
 Membership: a worker is a member from its hello (or a heartbeat, so a restarted driver relearns its workers)
 until its goodbye, a failed ping (its connection is gone), or ``heartbeat_interval_s * heartbeat_misses``
-without a heartbeat. A replica serves while all its ranks are members; when one leaves, the replica's
+without hearing from it: a heartbeat, or a reply or streamed output of its (a worker whose output flows is
+alive, even when its heartbeats come late: a process starved of CPU on a loaded node sends what it computes
+before its heartbeat thread gets a turn). A replica serves while all its ranks are members; when one leaves, the replica's
 pending calls fail with `ReplicaLostError` and other replicas keep serving. A member whose hello or heartbeat
 says ``capabilities.draining`` (its worker got SIGTERM and finishes what its replica runs before its goodbye)
 makes its replica draining (`draining_replicas`, a ``draining`` event): still a member, still serving what it
@@ -413,13 +415,22 @@ class RemoteExecutor(Executor):
             log.warning("rejected a malformed message from a worker: %s", exc)
             return
         if isinstance(message, protocol.Reply):
+            self._heard_from(message.replica, message.rank)
             self._on_reply(message)
         elif isinstance(message, protocol.Stream):
+            self._heard_from(message.replica, message.rank)
             self.streams.deliver(message.replica, message.items)
         elif defer_membership:
             self._deferred.append(message)
         else:
             self._handle(message)
+
+    def _heard_from(self, replica: int, rank: int) -> None:
+        """A reply or streamed output of a member: as good as a heartbeat (any receiving thread; a float set
+        under the GIL, read by the I/O thread's expiry)."""
+        state = self._members.get((replica, rank))
+        if state is not None:
+            state.last_seen = max(state.last_seen, time.monotonic())
 
     def _handle(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Reply):
