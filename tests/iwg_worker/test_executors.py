@@ -512,6 +512,19 @@ def test_sigint_finishes_the_in_flight_call_says_goodbye_and_exits_zero(
     assert any(e.kind == "draining" for e in events), events
 
 
+def raw_ranks_executor(heartbeat_interval_s: float, world_size: int = 1) -> ClusterExecutor:
+    """The executor of one replica of group "g", without CURVE, on free loopback ports: for `RawRanks`."""
+    return ClusterExecutor(
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+        replicas=1,
+        world_size=world_size,
+        insecure=True,
+        group="g",
+        heartbeat_interval_s=heartbeat_interval_s,
+    )
+
+
 class RawRanks:
     """Raw ZMQ sockets standing in for worker processes of replica 0 of group "g": each process a DEALER on the
     executor's RPC endpoint (its routing id) and a PUSH on its response endpoint, which says hello, beats and
@@ -552,15 +565,7 @@ def test_a_draining_rank_drains_its_whole_replica_until_it_leaves() -> None:
     Raw sockets stand in for the two ranks of one replica."""
     # A 30 s heartbeat (90 s timeout): the raw ranks beat only when the test says, and rank 0 is silent from its
     # hello to its beat below, which a stalled CI machine must not stretch past the timeout.
-    executor = ClusterExecutor(
-        "tcp://127.0.0.1:0",
-        "tcp://127.0.0.1:0",
-        replicas=1,
-        world_size=2,
-        insecure=True,
-        group="g",
-        heartbeat_interval_s=30,
-    )
+    executor = raw_ranks_executor(30, world_size=2)
     events: list[MembershipEvent] = []
     executor.subscribe(events.append)
     ranks = RawRanks(executor, world_size=2)
@@ -604,15 +609,7 @@ def test_a_rank_whose_output_flows_stays_a_member_while_its_heartbeats_are_late(
     streams mid-way to 'no heartbeat for 3.0 s' while the replica streamed). Once nothing at all comes from it,
     it leaves after the heartbeat timeout, as before. A raw socket stands in for the rank."""
     interval = 0.5  # timeout: 1.5 s
-    executor = ClusterExecutor(
-        "tcp://127.0.0.1:0",
-        "tcp://127.0.0.1:0",
-        replicas=1,
-        world_size=1,
-        insecure=True,
-        group="g",
-        heartbeat_interval_s=interval,
-    )
+    executor = raw_ranks_executor(interval)
     events: list[MembershipEvent] = []
     executor.subscribe(events.append)
     ranks = RawRanks(executor)
@@ -658,15 +655,7 @@ def test_a_heartbeat_after_its_goodbye_does_not_bring_the_process_back() -> None
     leaving replica served again, and took a request it then cut). That process stops: it stays out, while a
     process started anew for the rank (another routing id) joins. Raw sockets stand in for the ranks."""
     # A 30 s heartbeat (90 s timeout): the raw ranks beat only when the test says.
-    executor = ClusterExecutor(
-        "tcp://127.0.0.1:0",
-        "tcp://127.0.0.1:0",
-        replicas=1,
-        world_size=1,
-        insecure=True,
-        group="g",
-        heartbeat_interval_s=30,
-    )
+    executor = raw_ranks_executor(30)
     ranks = RawRanks(executor)
     try:
         ranks.connect(b"old")
@@ -697,15 +686,7 @@ def test_a_stall_of_the_driver_itself_does_not_count_as_its_workers_silence() ->
     socket stands in for the rank; the stall is the I/O thread's tick hook sleeping while the rank sends
     nothing."""
     interval, stall = 1.0, 4.5  # timeout 3 s, shorter than the stall
-    executor = ClusterExecutor(
-        "tcp://127.0.0.1:0",
-        "tcp://127.0.0.1:0",
-        replicas=1,
-        world_size=1,
-        insecure=True,
-        group="g",
-        heartbeat_interval_s=interval,
-    )
+    executor = raw_ranks_executor(interval)
     ranks = RawRanks(executor)
     ranks.connect(b"rank")
     left: list[str] = []
