@@ -60,6 +60,8 @@ def test_workers_keep_their_model_and_serve_a_restarted_driver(tmp_path: Path) -
         wait_http(f"{wired.url}/readyz", driver, STARTUP_TIMEOUT_S, driver_log)
         asyncio.run(_restart(wired, driver, workers, worker_logs))
     finally:
+        if driver.poll() is None:  # the test failed before it killed the driver
+            stop(driver, timeout=15)
         for worker in workers:
             stop(worker, timeout=15)
 
@@ -74,6 +76,15 @@ async def _restart(
     pids = [p.pid for p in procs]
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        # Both replicas serve before the load: a worker that joins after the kill was never pinged, and logs
+        # that no driver reached it instead of the loss (a slow start of one worker did that once).
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            async with session.get(f"{url}/readyz") as resp:
+                if sorted((await resp.json())["serving_replicas"]) == [0, 1]:
+                    break
+            assert time.monotonic() < deadline, "both replicas serving"
+            await asyncio.sleep(0.2)
         reference = {}
         for text in TEXTS:
             status, vector = await embed(session, url, text)
@@ -106,6 +117,7 @@ async def _restart(
                     continue
                 except Exception as error:  # a timeout would be a hung request
                     other.append(f"{type(error).__name__}: {error}")
+                    await asyncio.sleep(0.05)  # an error raised at once must not keep the loop from the test
                     continue
                 if status == 200 and vector is not None:
                     answers.append((text, vector))
@@ -115,60 +127,68 @@ async def _restart(
                     other.append(f"HTTP {status}")
 
         clients = [asyncio.create_task(client(i)) for i in range(6)]
-        deadline = time.monotonic() + 30
-        while not answers:
-            assert time.monotonic() < deadline, f"no request answered in 30 s of load: {other[:5]}"
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # the load under way
-
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        killed = time.monotonic()
-        # Both workers notice within the heartbeat timeout (plus a heartbeat or two: they look once per beat).
-        while not all(LOST in log.read_text(errors="replace") for log in worker_logs):
-            assert time.monotonic() - killed < NOTICE_LIMIT_S, [
-                log.read_text(errors="replace")[-1500:] for log in worker_logs
-            ]
-            await asyncio.sleep(0.05)
-        noticed_s = time.monotonic() - killed
-
-        second, second_log = wired.start_driver()
         try:
-            restarted = time.monotonic()
-            while not await ready(url):
-                assert second.poll() is None, second_log.read_text()[-3000:]
-                assert time.monotonic() - restarted < 120, second_log.read_text()[-3000:]
-                await asyncio.sleep(0.1)
-            serving_at = time.monotonic()
-            rejoined_s = serving_at - restarted
-            answered_at_restart = len(answers)
-            await asyncio.sleep(3.0)  # load on the new driver
             deadline = time.monotonic() + 30
-            while len(answers) <= answered_at_restart:
-                assert time.monotonic() < deadline, f"the new driver answered nothing in 30 s: {other[:5]}"
+            while not answers:
+                assert time.monotonic() < deadline, f"no request answered in 30 s of load: {other[:5]}"
                 await asyncio.sleep(0.1)
-            stop_load.set()
-            await asyncio.wait_for(asyncio.gather(*clients), CLIENT_TIMEOUT_S + 10)
+            await asyncio.sleep(1.0)  # the load under way
 
-            print(
-                f"workers noticed the loss after {noticed_s:.2f} s; new driver serving {rejoined_s:.2f} s after "
-                f"its start; {len(answers)} answered, {len(connection_errors)} connection errors, "
-                f"{len(not_ready)} 503 before the new driver was ready"
-            )
-            assert other == [], other[:5]
-            assert [t for t in not_ready if t > serving_at] == []
-            assert connection_errors, "the load never met the dead driver"
-            assert len(answers) > answered_at_restart, "the new driver answered nothing"
-            for text, vector in answers:
-                assert float(np.dot(reference[text], vector)) >= 0.9999, text
-            # The same worker processes, each with one model load: they were not restarted.
-            assert [p.pid for p in procs] == pids and all(p.poll() is None for p in procs)
-            for log in worker_logs:
-                text = log.read_text(errors="replace")
-                assert text.count(LOADED) == 1, text[-3000:]
-                assert "driver reached this worker again" in text, text[-3000:]
-        finally:
-            assert stop(second) == 0, second_log.read_text()[-3000:]
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            killed = time.monotonic()
+            # Both workers notice within the heartbeat timeout (plus a heartbeat or two: they look once per beat).
+            while not all(LOST in log.read_text(errors="replace") for log in worker_logs):
+                assert time.monotonic() - killed < NOTICE_LIMIT_S, [
+                    log.read_text(errors="replace")[-1500:] for log in worker_logs
+                ]
+                await asyncio.sleep(0.05)
+            noticed_s = time.monotonic() - killed
+
+            second, second_log = wired.start_driver()
+            try:
+                restarted = time.monotonic()
+                while not await ready(url):
+                    assert second.poll() is None, second_log.read_text()[-3000:]
+                    assert time.monotonic() - restarted < 120, second_log.read_text()[-3000:]
+                    await asyncio.sleep(0.1)
+                serving_at = time.monotonic()
+                rejoined_s = serving_at - restarted
+                answered_at_restart = len(answers)
+                await asyncio.sleep(3.0)  # load on the new driver
+                deadline = time.monotonic() + 30
+                while len(answers) <= answered_at_restart:
+                    assert time.monotonic() < deadline, (
+                        f"the new driver answered nothing in 30 s: {other[:5]}"
+                    )
+                    await asyncio.sleep(0.1)
+                stop_load.set()
+                await asyncio.wait_for(asyncio.gather(*clients), CLIENT_TIMEOUT_S + 10)
+
+                print(
+                    f"workers noticed the loss after {noticed_s:.2f} s; new driver serving {rejoined_s:.2f} s after "
+                    f"its start; {len(answers)} answered, {len(connection_errors)} connection errors, "
+                    f"{len(not_ready)} 503 before the new driver was ready"
+                )
+                assert other == [], other[:5]
+                assert [t for t in not_ready if t > serving_at] == []
+                assert connection_errors, "the load never met the dead driver"
+                assert len(answers) > answered_at_restart, "the new driver answered nothing"
+                for text, vector in answers:
+                    assert float(np.dot(reference[text], vector)) >= 0.9999, text
+                # The same worker processes, each with one model load: they were not restarted.
+                assert [p.pid for p in procs] == pids and all(p.poll() is None for p in procs)
+                for log in worker_logs:
+                    text = log.read_text(errors="replace")
+                    assert text.count(LOADED) == 1, text[-3000:]
+                    assert "driver reached this worker again" in text, text[-3000:]
+            finally:
+                assert stop(second) == 0, second_log.read_text()[-3000:]
+        finally:  # whatever failed: no client keeps sending after the test
+            stop_load.set()
+            for task in clients:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
 
 
 def test_every_worker_serves_every_driver_and_one_driver_dying_leaves_the_other_serving(
