@@ -424,13 +424,11 @@ def decode_tensors_as_numpy() -> None:
 
 
 def _tensor_from(kind: str, dtype: str, shape: list[int], buf: Any) -> Any:
-    if kind == _KIND_NUMPY:
+    if kind == _KIND_NUMPY or (_tensors_as_numpy and dtype in _NUMPY_DTYPES):
         return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
-    if _tensors_as_numpy:
-        if dtype == "bfloat16":  # the high half of a float32: widened exactly
-            high = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
-            return high.view(np.float32).reshape(shape)
-        return np.frombuffer(buf, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
+    if _tensors_as_numpy:  # bfloat16, the high half of a float32: widened exactly
+        high = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
+        return high.view(np.float32).reshape(shape)
     return tensor_from_bytes(buf, dtype, shape)
 
 
