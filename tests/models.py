@@ -31,7 +31,7 @@ def smollm2_gguf() -> Path:
 
 def smollm2_dir() -> Path:
     """The converted SmolLM2 directory (model, tokenizer, chat template), made on first use."""
-    from iwg_worker.models.loading import convert_gguf
+    from iwg_worker.models.loading import convert_gguf, readable_by_all
 
     gguf = smollm2_gguf()
     cache = Path(os.environ.get("IWG_CACHE_DIR", Path.home() / ".cache" / "iwg")) / "models"
@@ -41,6 +41,9 @@ def smollm2_dir() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
             convert_gguf(gguf, target)
+        readable_by_all(
+            target
+        )  # a directory converted before convert_gguf did it (real nodes' workers read it)
     return target
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,7 +47,7 @@ class HealthServer:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("health: " + format, *args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _ProbeServer((host, port), Handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="iwg-health", daemon=True)
@@ -57,6 +58,18 @@ class HealthServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _ProbeServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A prober that gave up before its answer was written (a kubelet's probe past its timeoutSeconds while
+        the worker loads its model) closed its connection: one line at debug, not socketserver's traceback on
+        stderr for each."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            log.debug("health: %s went away before its answer: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
 
 
 def _probe_response(probe: Probe) -> tuple[int, str, bytes]:

@@ -63,6 +63,14 @@ def load_causal_lm(source: ModelSource, dtype: Any, **kwargs: Any) -> Any:
     )
 
 
+def readable_by_all(directory: Path) -> None:
+    """Makes the files of a model directory readable by every user, as the umask would have left them: the
+    workers run as an unprivileged user (uid 65532), and safetensors writes its file owner-only (0600)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(path.stat().st_mode | 0o444)
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Dequantise a GGUF causal LM once into a safetensors model directory (model, tokenizer, chat template)."""
     source = model_source(gguf_path)
@@ -80,5 +88,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted conversion
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    readable_by_all(partial)
     partial.rename(out)
     return out
