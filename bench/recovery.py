@@ -15,7 +15,7 @@ through the driver for the whole run. Faults, one at a time, each on a group ser
   `openai` client's default retries (max_retries=2).
 
 (A replica of several ranks holds its model sharded, which MiniLM's architecture does not allow: the rebuild of
-a SmolLM2 replica of worldSize 3 after SIGKILL of rank 1 is timed by tests/e2e/test_selfheal.py.)
+a SmolLM2 replica of worldSize 3 after SIGKILL of rank 1 is timed by tests/realnodes/test_selfheal.py.)
 
 Per fault: detected = fault until the operator deleted the pod(s); serving again = fault until the
 replacement is ready and the group reports every replica ready; failed requests during the episode. For the

@@ -224,7 +224,7 @@ def wait_serving(
         )
         api = openai_client(address)
         eventually(
-            lambda: _answers(api, groups.get(name)["spec"]["model"]),
+            lambda: answers(api, groups.get(name)["spec"]["model"]),
             timeout,
             "the driver to answer with all replicas",
             interval=1.0,
@@ -234,7 +234,8 @@ def wait_serving(
         raise AssertionError(f"{error}\n{diagnose(agent, core, namespace)}") from None
 
 
-def _answers(api: OpenAI, model: dict[str, Any]) -> bool:
+def answers(api: OpenAI, model: dict[str, Any]) -> bool:
+    """Whether the driver answers a one-token request of the model's task (any failure: no)."""
     try:
         if model["task"] == "generate":
             messages: Any = [{"role": "user", "content": "ping"}]
@@ -286,3 +287,64 @@ def await_replacement(
                 return Recovery("", detected, time.monotonic() - started, sorted(wanted))
         time.sleep(0.05)
     raise AssertionError(f"no replacement of {sorted(wanted)} within {timeout:.0f}s")
+
+
+# The operator's health checks of a test whose timing of a hung worker's detection is asserted.
+PERIOD, THRESHOLD, TIMEOUT = 2, 2, 1
+FAST_HEALTH = {
+    "periodSeconds": PERIOD,
+    "timeoutSeconds": TIMEOUT,
+    "failureThreshold": THRESHOLD,
+    "restartPolicy": "Pod",
+    "backoffSeconds": 0,
+}
+# For groups whose test does not time the detection of a hung worker: a probe may take 4 s and three must
+# fail, so a worker that answers late on a loaded machine (ranks computing, streams running, a stalled
+# process) is not replaced by mistake. A killed worker's container ends, which the prober counts at once.
+STEADY_PERIOD = 5
+STEADY_HEALTH = {**FAST_HEALTH, "periodSeconds": STEADY_PERIOD, "timeoutSeconds": 4, "failureThreshold": 3}
+MODEL = "all-MiniLM-L6-v2"
+LOADED = "ready on"  # WorkerProc's line once its model is loaded
+
+
+def create(control_plane: Any, namespace: str, manifest: dict[str, Any]) -> None:
+    import yaml
+
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[Any]:
+    found = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return [e for e in found if e.reason == reason]
+
+
+def true_condition(groups: Any, name: str, kind: str, reason: str | None = None) -> dict[str, Any] | None:
+    """The group's condition of type ``kind`` when it is True (and has ``reason``, when given)."""
+    for condition in (groups.get(name).get("status") or {}).get("conditions") or []:
+        wanted = reason is None or condition["reason"] == reason
+        if condition["type"] == kind and condition["status"] == "True" and wanted:
+            return dict(condition)
+    return None
+
+
+def sharded_smollm2(name: str, world_size: int, health: dict[str, Any]) -> dict[str, Any]:
+    """The SmolLM2 example group (converted weights, a small KV cache) with ``world_size`` ranks."""
+    from tests.models import smollm2_manifest
+
+    manifest = smollm2_manifest(kv_blocks=64)
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec["worldSize"] = world_size
+    spec["worker"] = {**spec["worker"], "cpu": "500m", "memory": "2Gi"}
+    spec["health"] = health
+    return dict(manifest)
+
+
+def ask_france(address: str, port: int = 8000) -> str:
+    answer = openai_client(address, port).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    return str(answer.choices[0].message.content)

@@ -27,7 +27,10 @@ from openai import OpenAI
 
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import (
+    LOADED,
+    MODEL,
     Load,
+    create,
     driver_pods,
     group_manifest,
     live_ready_workers,
@@ -37,8 +40,6 @@ from tests.e2e.harness import (
     wait_serving,
 )
 from tests.e2e.service_proxy import ServiceProxy
-from tests.e2e.test_driver_loss import LOADED
-from tests.e2e.test_selfheal import MODEL, create
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
 

@@ -26,10 +26,19 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from tests.cluster.waiting import eventually
-from tests.e2e.harness import Load, driver_pods, group_manifest, pod_ready, wait_serving, worker_pods
+from tests.e2e.harness import (
+    MODEL,
+    Load,
+    create,
+    driver_pods,
+    events,
+    group_manifest,
+    pod_ready,
+    wait_serving,
+    worker_pods,
+)
 from tests.e2e.service_proxy import ServiceProxy
 from tests.e2e.test_scale_down import retried_batches
-from tests.e2e.test_selfheal import MODEL, create, events
 from tests.iwg_operator.conftest import Groups
 from tests.nodeagent.fixture import NodeAgentProcess
 

@@ -19,10 +19,18 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from tests.e2e.harness import diagnose, driver_pods, eventually, openai_client, pod_ready, worker_pods
+from tests.e2e.harness import (
+    create,
+    diagnose,
+    driver_pods,
+    events,
+    eventually,
+    openai_client,
+    pod_ready,
+    worker_pods,
+)
 from tests.e2e.service_proxy import ServiceProxy
 from tests.e2e.test_scale_down import driver_metric
-from tests.e2e.test_selfheal import create, events
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess

@@ -18,8 +18,11 @@ from kubernetes.client import ApiClient
 from openai import OpenAI
 
 from tests.e2e.harness import (
+    FAST_HEALTH,
     ChatLoad,
     await_replacement,
+    create,
+    events,
     eventually,
     group_manifest,
     live_ready_workers,
@@ -36,7 +39,6 @@ from tests.e2e.test_autoscaling import (
     autoscaling,
     step_up_and_back,
 )
-from tests.e2e.test_selfheal import FAST_HEALTH, create, events
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess

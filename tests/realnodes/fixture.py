@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.control_plane import CONTROLLERS, ControlPlane
 from tests.iwg_operator.conftest import Groups, install_crd
@@ -44,6 +46,127 @@ class RealCluster:
     def operator_log(self, lines: int = 30) -> str:
         return self.nodes.log_tail("operator", lines)
 
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.control_plane.kubectl("apply", "-n", self.namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+    def remove(self, group: str, timeout: float = 120) -> None:
+        """Deletes the group and waits until its pods are gone (pods being deleted are killed at once), so
+        the next test starts on quiet nodes."""
+        from tests.cluster.waiting import eventually
+
+        self.groups.delete(group)
+        selector = f"inference.iwg.dev/group={group}"
+        for pod in self.core.list_namespaced_pod(self.namespace, label_selector=selector).items:
+            with contextlib.suppress(ApiException):
+                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, grace_period_seconds=0)
+        eventually(
+            lambda: not self.core.list_namespaced_pod(self.namespace, label_selector=selector).items,
+            timeout,
+            f"the pods of {group} gone",
+            interval=0.5,
+        )
+
+    def model_volume(self, claim: str, host_path: Path, mount_path: str = "/models") -> dict[str, Any]:
+        """A PersistentVolumeClaim `claim` bound to a read-only hostPath PersistentVolume of `host_path` (every
+        node sees the host's files), as a cluster's pre-provisioned model volume (the persistentvolume-binder
+        binds them); returns the group's spec.model.volume for it. Applying it again changes nothing."""
+        volume = f"{self.namespace}-{claim}"
+        manifests = [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": str(host_path), "type": "Directory"},
+                    "claimRef": {"namespace": self.namespace, "name": claim},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim},
+                "spec": {
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "volumeName": volume,
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+        ]
+        self.control_plane.kubectl(
+            "apply", "-n", self.namespace, "-f", "-", input=yaml.safe_dump_all(manifests)
+        )
+        return {"claimName": claim, "mountPath": mount_path}
+
+    def signal_container(self, pod: Any, sig: signal.Signals) -> int:
+        """Sends `sig` to the first process of the pod's (first) container; returns its host pid."""
+        pid = self.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
+        os.kill(pid, sig)
+        return pid
+
+    def service_port(self, group: str) -> int:
+        """A loopback port whose connections reach the group's driver Service as a client on the first node
+        does: to its ClusterIP, which that node's kube-proxy turns into a ready driver pod's address (no
+        retry: a refused connect closes the client's connection)."""
+        service = next(
+            s
+            for s in self.core.list_namespaced_service(
+                self.namespace, label_selector=f"inference.iwg.dev/group={group}"
+            ).items
+            if s.spec.cluster_ip not in (None, "None")
+            and s.metadata.labels.get("app.kubernetes.io/component") == "driver"
+        )
+        return self.nodes.forward(
+            service.spec.cluster_ip, service.spec.ports[0].port, via=self.nodes.names[0]
+        )
+
+    def wait_serving(self, group: str, replicas: int, timeout: float = 240) -> int:
+        """Waits until `replicas` replicas are ready and the driver's Service answers with all of them;
+        returns the Service's loopback port (`service_port`)."""
+        from tests.cluster.waiting import eventually
+        from tests.e2e.harness import answers, openai_client
+
+        try:
+            eventually(
+                lambda: (self.groups.get(group).get("status") or {}).get("readyReplicas") == replicas,
+                timeout,
+                f"{replicas} replica(s) of {group} ready",
+                interval=1.0,
+            )
+            self.ready_driver(group, timeout)
+            port = self.service_port(group)
+            api = openai_client("127.0.0.1", port)
+            model = self.groups.get(group)["spec"]["model"]
+            eventually(lambda: answers(api, model), timeout, "the driver's Service to answer", interval=1.0)
+            return port
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{self.diagnose()}") from None
+
+    def diagnose(self) -> str:
+        """Everything worth reading when a test on these nodes fails."""
+        lines = ["==== pods"]
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            statuses = [
+                (s.name, s.ready, s.restart_count, s.state.to_dict())
+                for s in pod.status.container_statuses or []
+            ]
+            lines.append(f"{pod.metadata.name} node={pod.spec.node_name} phase={pod.status.phase} {statuses}")
+        events = self.control_plane.kubectl(
+            "get",
+            "events",
+            "-n",
+            self.namespace,
+            "-o",
+            "custom-columns=OBJ:.involvedObject.name,R:.reason,M:.message",
+        )
+        lines += ["==== events", events.stdout[-3000:], "==== operator", self.operator_log(30)]
+        for node in self.nodes.names:
+            lines += [f"==== {node} kubelet", self.nodes.log_tail(f"{node}-kubelet", 10)]
+        return "\n".join(lines)
+
     def ready_driver(self, group: str, timeout: float) -> Any:
         """A ready driver pod of `group`, once there is one."""
         from tests.cluster.waiting import eventually
@@ -69,9 +192,10 @@ def real_cluster_running(
         cp.start()
         cp.start_scheduler()
         # The node lifecycle controller marks a node whose Lease stopped NotReady after the grace period (30 s
-        # here, 50 s by default: the kubelets renew every 10 s either way) and taints it, as on any cluster.
+        # here, 50 s by default: the kubelets renew every 10 s either way) and taints it, as on any cluster;
+        # the persistentvolume-binder binds model volumes' claims (model_volume).
         cp.start_controller_manager(
-            (*CONTROLLERS, "nodelifecycle", "taint-eviction-controller"),
+            (*CONTROLLERS, "nodelifecycle", "taint-eviction-controller", "persistentvolume-binder"),
             ["--node-monitor-grace-period=30s", "--node-monitor-period=2s"],
         )
         install_crd(cp)

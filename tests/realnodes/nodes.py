@@ -6,7 +6,8 @@ Layout (nothing of it in the host's network namespace; every file under one temp
   fabric namespace   bridge fab0 10.250.0.1/24, routes to every node's pods; CoreDNS (10.250.0.1:53) and
                      whatever a test runs "in the cluster network" (the operator) run here
   node i namespace   eth0 10.250.0.(10+i) on fab0; bridge CNI cni0 with pods in 10.244.i.0/24, routes to
-                     the other nodes' pod ranges; containerd, kubelet (node name realnode-i)
+                     the other nodes' pod ranges, the fabric its default gateway; containerd, kubelet
+                     (node name realnode-i), kube-proxy
   relay (host)       the apiserver's 127.0.0.1:PORT inside every namespace, and host ports to pods
                      (tests/realnodes/relay.py)
 
@@ -170,13 +171,17 @@ class RealNodes:
         """A command line that runs `argv` in the fabric namespace (the cluster network, as a pod would)."""
         return ["nsenter", f"--net={self.fabric_netns}", "--", *argv]
 
-    def forward(self, ip: str, port: int) -> int:
-        """A port on the host's loopback relayed to `ip:port` in the cluster network."""
+    def forward(self, ip: str, port: int, via: str | None = None) -> int:
+        """A port on the host's loopback relayed to `ip:port` in the cluster network: connecting from the
+        fabric, or from the node `via` (its own namespace, where its kube-proxy's rules turn a ClusterIP into a
+        pod's address, as for any client on that node; a refused or failed connect there closes the client's
+        connection without an answer)."""
         import socket
 
+        netns = self.fabric_netns if via is None else next(n.netns for n in self.nodes if n.name == via)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(self.workdir / "relay.sock"))
-            sock.sendall(f"{self.fabric_netns} {ip} {port}\n".encode())
+            sock.sendall(f"{netns} {ip} {port}\n".encode())
             answer = sock.makefile().readline().strip()
         if not answer.isdigit():
             raise RuntimeError(f"relay to {ip}:{port}: {answer}")
@@ -325,6 +330,10 @@ class RealNodes:
                     f"ip addr add {node.address}/{FABRIC_PREFIX} dev eth0",
                     "ip link set eth0 up",
                     *routes,
+                    # The fabric is the node's gateway, as a node's network has one: the node's own
+                    # connections to a ClusterIP need a route before kube-proxy's OUTPUT rules rewrite them
+                    # (nothing lies beyond the fabric: what is not a node or pod goes nowhere).
+                    f"ip route add default via {FABRIC_GATEWAY}",
                     "sysctl -qw net.ipv4.ip_forward=1",
                 ]
             ),

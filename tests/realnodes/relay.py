@@ -25,6 +25,7 @@ import os
 import socket
 from pathlib import Path
 
+CONNECT_TIMEOUT_S = 2.0
 _HOST_NS = os.open("/proc/self/ns/net", os.O_RDONLY)
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -72,8 +73,10 @@ async def _relay(
     loop = asyncio.get_running_loop()
     upstream = socket_in(netns)
     try:
-        await loop.sock_connect(upstream, target)
-    except OSError:
+        # Bounded as a client bounds its connect: one whose SYN goes unanswered would otherwise hold the
+        # client's request until its own read timeout, which a client connecting itself would not see.
+        await asyncio.wait_for(loop.sock_connect(upstream, target), CONNECT_TIMEOUT_S)
+    except OSError:  # refused, unreachable, or TimeoutError (an OSError) from the bound
         upstream.close()
         client_writer.close()
         return

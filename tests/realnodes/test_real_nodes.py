@@ -34,27 +34,6 @@ RUN_AS = 65532
 READY_TIMEOUT = 240
 
 
-def diagnose(cluster: RealCluster) -> str:
-    lines = ["==== pods"]
-    for pod in cluster.core.list_namespaced_pod(cluster.namespace).items:
-        statuses = [
-            (s.name, s.ready, s.restart_count, s.state.to_dict()) for s in pod.status.container_statuses or []
-        ]
-        lines.append(f"{pod.metadata.name} node={pod.spec.node_name} phase={pod.status.phase} {statuses}")
-    events = cluster.control_plane.kubectl(
-        "get",
-        "events",
-        "-n",
-        cluster.namespace,
-        "-o",
-        "custom-columns=OBJ:.involvedObject.name,R:.reason,M:.message",
-    )
-    lines += ["==== events", events.stdout[-3000:], "==== operator", cluster.operator_log(30)]
-    for node in cluster.nodes.names:
-        lines += [f"==== {node} kubelet", cluster.nodes.log_tail(f"{node}-kubelet", 10)]
-    return "\n".join(lines)
-
-
 def mounts(pid: int) -> dict[str, tuple[str, str, str]]:
     """Mount point -> (filesystem type, mount options, super options) as the process sees them."""
     found = {}
@@ -91,7 +70,7 @@ def serving(real_cluster: RealCluster) -> dict[str, Any]:
             interval=1.0,
         )
     except AssertionError as error:
-        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+        raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
     return manifest
 
 
@@ -160,7 +139,7 @@ def test_the_kubelet_runs_the_liveness_probe_the_operator_wrote(
         eventually(restarted, 150, f"the kubelet restarting {name}", interval=1.0)
         took = time.monotonic() - stopped
     except AssertionError as error:
-        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+        raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
     finally:
         os.killpg(cluster.operator.pid, signal.SIGCONT)
     # With the pod's drain grace the kill would come at least this late after the stop.
@@ -388,7 +367,7 @@ def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_reque
                 rolled, READY_TIMEOUT, "the driver rolled onto a new pod, the old one gone", interval=0.5
             )
         except AssertionError as error:
-            raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+            raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
         time.sleep(3.0)  # load after it
     finally:
         seen = clients.stop()
@@ -409,7 +388,7 @@ def test_a_driver_rollout_through_a_clusterip_and_real_kube_proxy_fails_no_reque
                 "logs", "--timestamps", "-n", cluster.namespace, pod.metadata.name, check=False
             )
             said += [f"==== worker {pod.metadata.name}", done.stdout[-3000:]]
-        raise AssertionError(f"{seen['failed'][:5]}\n" + "\n".join(said) + f"\n{diagnose(cluster)}")
+        raise AssertionError(f"{seen['failed'][:5]}\n" + "\n".join(said) + f"\n{cluster.diagnose()}")
     assert seen["ok"] >= 20, seen
 
 
@@ -468,7 +447,7 @@ def test_a_powered_off_node_loses_its_replica_which_serves_again_on_the_other_no
     try:
         nodes_of = eventually(placed, READY_TIMEOUT, "both replicas rolled onto the new spec", interval=1.0)
     except AssertionError as error:
-        raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+        raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
     driver_node = next(p.spec.node_name for p in driver_pods(core, cluster.namespace, GROUP) if pod_ready(p))
     lost = [node for node in set(nodes_of.values()) if node != driver_node]
     assert lost, f"both workers on the driver's node {driver_node}: {nodes_of}"
@@ -488,7 +467,7 @@ def test_a_powered_off_node_loses_its_replica_which_serves_again_on_the_other_no
                 serving_again, NODE_LOSS_TIMEOUT, "two replicas serving on the live node", interval=1.0
             )
         except AssertionError as error:
-            raise AssertionError(f"{error}\n{diagnose(cluster)}") from None
+            raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
         took = time.monotonic() - started
         time.sleep(3.0)
     finally:
