@@ -58,7 +58,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
 # The example group through a local control plane, the operator and the node agent (needs root).
-demo: setup cluster-bins
+demo: setup cluster-bins node-deps
 	$(BIN)/python -m examples.cluster_demo
 
 # The same group with `iwg serve` on this machine, without Kubernetes.

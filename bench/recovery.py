@@ -1,17 +1,18 @@
 """Recovery from worker faults: detection and recovery times and failed requests, per fault.
 
-    python -m bench.recovery [--clients 2]      (root: the node agent makes network namespaces)
+    python -m bench.recovery [--clients 2]      (root: real nodes; a checkout outside /tmp)
 
-The whole local stack (tests/e2e/stack.py: real control plane, the operator as its own process, the node
-agent running pods as real processes, real MiniLM workers and driver). Clients send embedding requests
-through the driver for the whole run. Faults, one at a time, each on a group serving in full:
+A local cluster of real nodes (tests/realnodes: real control plane, two kubelets with containerd,
+kube-proxy and CoreDNS, the operator as its own process in the cluster network; real MiniLM workers and
+driver on the light image, 500m each). Clients send embedding requests through the group's driver Service
+(its ClusterIP, through the first node's kube-proxy) for the whole run. Faults, one at a time, each on a group
+serving in full:
 
 - SIGKILL of a worker (restartPolicy Pod): the process dies; the kubelet and the prober see it.
 - SIGSTOP of a worker: a hang the process check cannot see; only the deep health check times out.
-- SIGKILL of the group's only driver: the kubelet (the node agent) restarts its container; the workers keep
-  their model and join it. The clients do not retry (max_retries=0), so every request the outage cut counts.
-- SIGKILL of one of two drivers (the same group, spec.driver.replicas raised to 2): the clients reach the
-  drivers through the group's Service (tests/e2e/service_proxy.py stands in for its virtual IP) with the
+- SIGKILL of the group's only driver: the kubelet restarts its container; the workers keep their model and
+  join it. The clients do not retry (max_retries=0), so every request the outage cut counts.
+- SIGKILL of one of two drivers (the same group, spec.driver.replicas raised to 2): the clients use the
   `openai` client's default retries (max_retries=2).
 
 (A replica of several ranks holds its model sharded, which MiniLM's architecture does not allow: the rebuild of
@@ -37,8 +38,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import yaml
-
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import (
     Load,
@@ -47,12 +46,9 @@ from tests.e2e.harness import (
     group_manifest,
     live_ready_workers,
     pod_ready,
-    process_of,
-    signal_worker,
-    wait_serving,
 )
-from tests.e2e.service_proxy import ServiceProxy
-from tests.e2e.stack import LocalStack
+from tests.realnodes.fixture import RealCluster, real_cluster_running
+from tests.realnodes.nodes import WORKER_IMAGE
 
 PERIOD, THRESHOLD, TIMEOUT = 2, 2, 1
 HEALTH = {
@@ -75,68 +71,63 @@ class Row:
     failed: int
 
 
-def start_group(stack: LocalStack, name: str, **spec: object) -> tuple[str, float]:
-    assert stack.control_plane is not None and stack.agent is not None
+def start_group(cluster: RealCluster, name: str, **spec: object) -> tuple[int, float]:
+    """The group applied and serving; the port of its Service (`RealCluster.service_port`) and its cold start."""
     started = time.monotonic()
-    manifest = group_manifest(name, **spec)
-    stack.control_plane.kubectl("apply", "-n", stack.namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(
-        stack.groups, stack.core, stack.agent, name, int(manifest["spec"]["replicas"]), 300
+    manifest = group_manifest(
+        name,
+        worker={"image": WORKER_IMAGE, "imagePullPolicy": "Never", "cpu": "500m"},
+        driver={"cpu": "500m"},
+        **spec,
     )
+    cluster.apply(manifest)
+    port = cluster.wait_serving(name, int(manifest["spec"]["replicas"]), 300)
     cold = time.monotonic() - started
     time.sleep(PERIOD * 2)  # every worker answered the prober once: supervised
-    return address, cold
+    return port, cold
 
 
 def episode(
-    stack: LocalStack,
+    cluster: RealCluster,
     name: str,
-    address: str,
+    port: int,
     replicas: int,
     fault: signal.Signals,
     label: str,
     clients: int,
     rank: int,
 ) -> Row:
-    core, groups = stack.core, stack.groups
-    load = Load(address, MODEL, clients=clients).start()
+    core, groups = cluster.core, cluster.groups
+    load = Load("127.0.0.1", MODEL, clients=clients, port=port).start()
     time.sleep(2)
-    workers = live_ready_workers(core, stack.namespace, name)
+    workers = live_ready_workers(core, cluster.namespace, name)
     replica0 = [p for p in workers if p.metadata.labels["inference.iwg.dev/replica"] == "0"]
     victim = next(p for p in replica0 if p.metadata.labels["inference.iwg.dev/rank"] == str(rank))
     victims = replica0 if len(replica0) > 1 else [victim]
     started = time.monotonic()
-    signal_worker(victim, fault)
+    cluster.signal_container(victim, fault)
     recovery = await_replacement(core, groups, name, victims, started, replicas)
     time.sleep(2)
     load.stop()
     return Row(label, recovery.detected_s, recovery.ready_s, load.ok, len(load.failures))
 
 
-def driver_lost_logged(stack: LocalStack, lost_before: dict[str, int]) -> bool:
+def driver_lost_logged(cluster: RealCluster, lost_before: dict[str, int]) -> bool:
     """A worker logged that it lost its driver since `lost_before` was counted."""
-    assert stack.agent is not None
-    return any(
-        stack.agent.container_log(stack.namespace, pod, "worker", lines=100_000).count(DRIVER_LOST) > count
-        for pod, count in lost_before.items()
-    )
+    return any(cluster.log_of(pod).count(DRIVER_LOST) > count for pod, count in lost_before.items())
 
 
-def single_driver_episode(stack: LocalStack, name: str, address: str, clients: int) -> Row:
-    assert stack.agent is not None
-    core, namespace = stack.core, stack.namespace
+def single_driver_episode(cluster: RealCluster, name: str, port: int, clients: int) -> Row:
+    core, namespace = cluster.core, cluster.namespace
     lost_before = {
-        p.metadata.name: stack.agent.container_log(namespace, p.metadata.name, "worker", lines=100_000).count(
-            DRIVER_LOST
-        )
+        p.metadata.name: cluster.log_of(p.metadata.name).count(DRIVER_LOST)
         for p in live_ready_workers(core, namespace, name)
     }
-    load = Load(address, MODEL, clients=clients).start()
+    load = Load("127.0.0.1", MODEL, clients=clients, port=port).start()
     time.sleep(2)
     (driver,) = driver_pods(core, namespace, name)
-    killed = process_of(driver)
     started = time.monotonic()
-    os.kill(killed, signal.SIGKILL)
+    killed = cluster.signal_container(driver, signal.SIGKILL)
     detected: float | None = None
     ready_at: float | None = None
     next_log_look = started
@@ -145,13 +136,13 @@ def single_driver_episode(stack: LocalStack, name: str, address: str, clients: i
         if now - started > 180:
             raise AssertionError("the driver did not come back within 180 s")
         if detected is None:
-            down = (stack.groups.condition(name, "DriverAvailable") or {}).get("status") == "False"
+            down = (cluster.groups.condition(name, "DriverAvailable") or {}).get("status") == "False"
             if not down and now >= next_log_look:  # the logs are read twice a second, the status every loop
                 next_log_look = now + 0.5
-                down = driver_lost_logged(stack, lost_before)
+                down = driver_lost_logged(cluster, lost_before)
             if down:
                 detected = time.monotonic() - started
-        elif any(pod_ready(p) and process_of(p) != killed for p in driver_pods(core, namespace, name)):
+        elif any(pod_ready(p) and cluster.pid_of(p) != killed for p in driver_pods(core, namespace, name)):
             ready_at = time.monotonic()
         time.sleep(0.05)
     time.sleep(10)
@@ -162,25 +153,20 @@ def single_driver_episode(stack: LocalStack, name: str, address: str, clients: i
     return Row("SIGKILL the only driver", detected or 0.0, serving, load.ok, len(load.failures))
 
 
-def two_driver_episode(stack: LocalStack, name: str, clients: int) -> Row:
-    assert stack.agent is not None
-    core, namespace = stack.core, stack.namespace
-    stack.groups.patch(name, {"driver": {"replicas": 2}})
+def two_driver_episode(cluster: RealCluster, name: str, port: int, clients: int) -> Row:
+    core, namespace = cluster.core, cluster.namespace
+    cluster.groups.patch(name, {"driver": {"replicas": 2}})
 
     def two_ready() -> bool:
         pods = driver_pods(core, namespace, name)
         return len(pods) == 2 and all(pod_ready(p) and not p.metadata.deletion_timestamp for p in pods)
 
     eventually(two_ready, 180, "two drivers ready")
-    proxy = ServiceProxy(stack.agent.gateway, f"{name}-driver.{namespace}.svc.cluster.local", 8000).start()
-    load = Load(
-        "127.0.0.1", MODEL, clients=clients, port=proxy.listen_port, max_retries=OPENAI_DEFAULT_RETRIES
-    ).start()
+    load = Load("127.0.0.1", MODEL, clients=clients, port=port, max_retries=OPENAI_DEFAULT_RETRIES).start()
     time.sleep(2)
     victim = driver_pods(core, namespace, name)[0]
-    killed = process_of(victim)
     started = time.monotonic()
-    os.kill(killed, signal.SIGKILL)
+    killed = cluster.signal_container(victim, signal.SIGKILL)
     detected: float | None = None
     ready: float | None = None
     while ready is None:
@@ -189,12 +175,11 @@ def two_driver_episode(stack: LocalStack, name: str, clients: int) -> Row:
         (pod,) = [p for p in driver_pods(core, namespace, name) if p.metadata.name == victim.metadata.name]
         if detected is None and not pod_ready(pod):
             detected = time.monotonic() - started
-        if detected is not None and pod_ready(pod) and process_of(pod) != killed:
+        if detected is not None and pod_ready(pod) and cluster.pid_of(pod) != killed:
             ready = time.monotonic() - started
         time.sleep(0.05)
     time.sleep(5)
     load.stop()
-    proxy.stop()
     return Row("SIGKILL one of two drivers", detected or 0.0, ready, load.ok, len(load.failures))
 
 
@@ -206,15 +191,18 @@ def main() -> int:
     args = parser.parse_args()
     rows: list[Row] = []
     colds: list[float] = []
-    with LocalStack(namespace="bench", log=lambda line: print(line, file=sys.stderr)) as stack:
-        address, cold = start_group(stack, "single", replicas=2, health={**HEALTH, "restartPolicy": "Pod"})
+    if os.geteuid() != 0:
+        print("bench.recovery needs root (real nodes: namespaces, cgroups, containerd)", file=sys.stderr)
+        return 2
+    with real_cluster_running(namespace="bench", log=lambda line: print(line, file=sys.stderr)) as cluster:
+        port, cold = start_group(cluster, "single", replicas=2, health={**HEALTH, "restartPolicy": "Pod"})
         colds.append(cold)
         for fault, label in ((signal.SIGKILL, "SIGKILL worker"), (signal.SIGSTOP, "SIGSTOP worker (hang)")):
-            rows.append(episode(stack, "single", address, 2, fault, label, args.clients, rank=0))
+            rows.append(episode(cluster, "single", port, 2, fault, label, args.clients, rank=0))
             print(f"{label}: done", file=sys.stderr)
-        rows.append(single_driver_episode(stack, "single", address, args.clients))
+        rows.append(single_driver_episode(cluster, "single", port, args.clients))
         print("SIGKILL driver: done", file=sys.stderr)
-        rows.append(two_driver_episode(stack, "single", args.clients))
+        rows.append(two_driver_episode(cluster, "single", port, args.clients))
         print("SIGKILL one of two drivers: done", file=sys.stderr)
 
     baseline = min(colds)

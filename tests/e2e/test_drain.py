@@ -5,7 +5,7 @@ kube-proxy does not). SmolLM2 sharded over 3 ranks under streamed chat by client
 default 2 retries: each drain must finish within kubectl's timeout (before the integer minAvailable it never
 did: the budget allowed nothing), the group's pods end on the other node, no request fails, and at no moment
 during a drain are both worker replicas without all their ranks Ready. The MiniLM group's drains run on real
-kubelets (tests/realnodes/test_drain.py); this group's six ranks do not fit one real 2-CPU node (see there).
+kubelets (tests/realnodes/test_day2.py); this group's six ranks do not fit one real 2-CPU node (see there).
 """
 
 from __future__ import annotations

@@ -37,16 +37,16 @@ MODEL = "all-MiniLM-L6-v2"
 UNDO_BATCH_S = 10
 
 
-def driver_metric(address: str, series: str) -> float:
+def driver_metric(address: str, series: str, port: int = 8000) -> float:
     """The sum of the driver's samples whose line starts with `series` (a name, or a name and labels)."""
-    with urllib.request.urlopen(f"http://{address}:8000/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
 
 
-def retried_batches(address: str) -> float:
+def retried_batches(address: str, port: int = 8000) -> float:
     """Batches the driver retried on another replica because theirs went away."""
-    return driver_metric(address, "iwg_batch_retries_total")
+    return driver_metric(address, "iwg_batch_retries_total", port)
 
 
 def serve_slow_group(

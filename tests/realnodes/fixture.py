@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,29 @@ from tests.iwg_operator.conftest import Groups, install_crd
 from tests.realnodes.nodes import RealNodes
 
 NAMESPACE = "realnodes"
+
+
+def spread_workers(group: str) -> dict[str, Any]:
+    """spec.scheduling.affinity that prefers the group's worker pods on different nodes (weight 100, by
+    hostname): the scheduler spreads them where they fit."""
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {
+                            "matchLabels": {
+                                "inference.iwg.dev/group": group,
+                                "app.kubernetes.io/component": "worker",
+                            }
+                        },
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
 
 
 @dataclass
@@ -101,11 +124,19 @@ class RealCluster:
         )
         return {"claimName": claim, "mountPath": mount_path}
 
+    def pid_of(self, pod: Any) -> int:
+        """The host pid of the first process of the pod's (first) container."""
+        return self.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
+
     def signal_container(self, pod: Any, sig: signal.Signals) -> int:
         """Sends `sig` to the first process of the pod's (first) container; returns its host pid."""
-        pid = self.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
+        pid = self.pid_of(pod)
         os.kill(pid, sig)
         return pid
+
+    def log_of(self, pod: str) -> str:
+        """The pod's (current) container log, as `kubectl logs` gives it."""
+        return str(self.control_plane.kubectl("logs", "-n", self.namespace, pod).stdout)
 
     def service_port(self, group: str) -> int:
         """A loopback port whose connections reach the group's driver Service as a client on the first node
@@ -182,13 +213,19 @@ class RealCluster:
 
 @contextlib.contextmanager
 def real_cluster_running(
-    count: int = 2, extra_images: tuple[Path, ...] = (), test_environment: bool = True
+    count: int = 2,
+    extra_images: tuple[Path, ...] = (),
+    test_environment: bool = True,
+    namespace: str = NAMESPACE,
+    log: Callable[[str], object] = lambda _: None,
 ) -> Iterator[RealCluster]:
+    """The cluster, up: `log` is told each step's time as it is done."""
     cp = ControlPlane(name="iwg-nodes")
     nodes = RealNodes(cp, count, extra_images, test_environment)
     cp.apiserver_args = tuple(nodes.apiserver_args())
     operator: subprocess.Popen[bytes] | None = None
     try:
+        started = time.monotonic()
         cp.start()
         cp.start_scheduler()
         # The node lifecycle controller marks a node whose Lease stopped NotReady after the grace period (30 s
@@ -199,15 +236,22 @@ def real_cluster_running(
             ["--node-monitor-grace-period=30s", "--node-monitor-period=2s"],
         )
         install_crd(cp)
-        cp.kubectl("create", "namespace", NAMESPACE)
+        cp.kubectl("create", "namespace", namespace)
+        log(f"  control plane, CRD and namespace: {time.monotonic() - started:.1f} s")
+        started = time.monotonic()
         nodes.start()
+        log(
+            f"  {count} real nodes ({', '.join(nodes.names)}: kubelet, containerd, kube-proxy; CoreDNS), "
+            f"Ready: {time.monotonic() - started:.1f} s"
+        )
+        started = time.monotonic()
         with (nodes.workdir / "operator.log").open("ab") as out:
             operator = subprocess.Popen(
                 nodes.in_fabric(
                     [
                         str(Path(sys.executable).parent / "iwg-operator"),
                         "-n",
-                        NAMESPACE,
+                        namespace,
                         "--log-level",
                         "info",
                     ]
@@ -221,7 +265,8 @@ def real_cluster_running(
         time.sleep(1.0)
         if operator.poll() is not None:
             raise RuntimeError(f"iwg-operator exited:\n{nodes.log_tail('operator')}")
-        yield RealCluster(cp, nodes, NAMESPACE, operator)
+        log(f"  operator (iwg-operator): {time.monotonic() - started:.1f} s")
+        yield RealCluster(cp, nodes, namespace, operator)
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)

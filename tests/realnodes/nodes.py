@@ -207,6 +207,12 @@ class RealNodes:
             self,
         )
 
+    def tag_image(self, source: str, *targets: str) -> None:
+        """Gives every node's image `source` the names `targets` as well (`ctr images tag`): a new image for a
+        rollout, of the same content."""
+        for node in self.nodes:
+            self._in(node.netns, node.holder.pid, f"{CTR} images tag --force {source} {' '.join(targets)}")
+
     def container_pid(self, node_name: str, container_id: str) -> int:
         """The host pid of a container's first process (`container_id` as a pod's status gives it)."""
         node = next(n for n in self.nodes if n.name == node_name)

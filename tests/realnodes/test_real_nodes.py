@@ -14,13 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
+from iwg_operator.api.v1alpha1 import load_manifest
 from iwg_operator.builders.common import CURVE_MOUNT
 
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import driver_pods, group_manifest, live_ready_workers, openai_client, pod_ready
-from tests.realnodes.fixture import RealCluster, real_cluster
+from tests.realnodes.fixture import RealCluster, real_cluster, spread_workers
 from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
 
 __all__ = ["real_cluster"]
@@ -81,8 +83,19 @@ def test_a_group_on_real_kubelets_serves_embeddings_in_the_pods_the_operator_spe
     driver = cluster.ready_driver(GROUP, READY_TIMEOUT)
     port = cluster.nodes.forward(driver.status.pod_ip, 8000)
     api = openai_client("127.0.0.1", port)
-    result = api.embeddings.create(model=serving["spec"]["model"]["servedName"], input=["a", "b c"])
-    assert [len(d.embedding) for d in result.data] == [384, 384]
+    sentences = ["The operator replaced the failed worker.", "A cat sat on the mat."]
+    result = api.embeddings.create(model=serving["spec"]["model"]["servedName"], input=sentences)
+    got = np.array([d.embedding for d in result.data])
+    # The library's own answer, on the host: the worker image's model is the test environment's.
+    from sentence_transformers import SentenceTransformer
+
+    oracle = SentenceTransformer(str(load_manifest(serving).spec.model.resolved_path()), device="cpu")
+    expected = oracle.encode(sentences, normalize_embeddings=True)
+    cosine = (got * expected).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    assert got.shape == (2, 384)
+    assert cosine.min() >= 0.9999, cosine
+    table = cluster.control_plane.kubectl("get", "iwg", "-n", cluster.namespace).stdout
+    assert GROUP in table and "Running" in table, table
 
     workers = live_ready_workers(core, cluster.namespace, GROUP)
     assert len(workers) == 2
@@ -413,24 +426,7 @@ def test_a_powered_off_node_loses_its_replica_which_serves_again_on_the_other_no
         {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_TOLERATION_S}
         for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
     ]
-    spread = {
-        "podAntiAffinity": {
-            "preferredDuringSchedulingIgnoredDuringExecution": [
-                {
-                    "weight": 100,
-                    "podAffinityTerm": {
-                        "labelSelector": {
-                            "matchLabels": {
-                                "inference.iwg.dev/group": GROUP,
-                                "app.kubernetes.io/component": "worker",
-                            }
-                        },
-                        "topologyKey": "kubernetes.io/hostname",
-                    },
-                }
-            ]
-        }
-    }
+    spread = spread_workers(GROUP)
     # Two workers and the driver fit on one node (2 CPUs) once one node is gone.
     cluster.groups.patch(
         GROUP, {"worker": {"cpu": "600m"}, "scheduling": {"tolerations": tolerations, "affinity": spread}}

@@ -38,7 +38,7 @@ from tests.e2e.harness import (
     worker_pods,
 )
 from tests.realnodes.faulty_worker import FAULT_FILE
-from tests.realnodes.fixture import RealCluster, real_cluster
+from tests.realnodes.fixture import RealCluster, real_cluster, spread_workers
 from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
 
 __all__ = ["real_cluster"]
@@ -133,26 +133,7 @@ def test_world_size_three_shards_smollm2_over_both_nodes_and_the_replica_policy_
     manifest = smollm2_on_a_volume(cluster, name, 3, {**STEADY_HEALTH, "restartPolicy": "Replica"})
     spec = manifest["spec"]
     spec["driver"] = {**spec.get("driver", {}), "cpu": "500m"}
-    spec["scheduling"] = {
-        "affinity": {
-            "podAntiAffinity": {
-                "preferredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "weight": 100,
-                        "podAffinityTerm": {
-                            "labelSelector": {
-                                "matchLabels": {
-                                    "inference.iwg.dev/group": name,
-                                    "app.kubernetes.io/component": "worker",
-                                }
-                            },
-                            "topologyKey": "kubernetes.io/hostname",
-                        },
-                    }
-                ]
-            }
-        }
-    }
+    spec["scheduling"] = {"affinity": spread_workers(name)}
     cluster.apply(manifest)
     port = cluster.wait_serving(name, replicas=1, timeout=400)
     assert "Paris" in ask_france("127.0.0.1", port)
@@ -287,10 +268,7 @@ def test_a_killed_driver_is_restarted_by_the_kubelet_and_the_same_workers_serve_
     port = cluster.wait_serving(name, replicas=2)
     workers = live_ready_workers(core, cluster.namespace, name)
 
-    def pid_of(pod: Any) -> int:
-        return cluster.nodes.container_pid(pod.spec.node_name, pod.status.container_statuses[0].container_id)
-
-    pids = {p.metadata.name: pid_of(p) for p in workers}
+    pids = {p.metadata.name: cluster.pid_of(p) for p in workers}
     eventually(lambda: driver_condition(groups, name).get("status") == "True", 30, "DriverAvailable")
 
     load = Load("127.0.0.1", MODEL, clients=3, port=port).start()
@@ -311,7 +289,7 @@ def test_a_killed_driver_is_restarted_by_the_kubelet_and_the_same_workers_serve_
             if not down and condition.get("status") == "False":
                 down = {**condition, "after_s": time.monotonic() - killed}
             (pod,) = driver_pods(core, cluster.namespace, name)
-            if down and pod_ready(pod) and pid_of(pod) != process:
+            if down and pod_ready(pod) and cluster.pid_of(pod) != process:
                 ready_at = time.monotonic()
             time.sleep(0.05)
         time.sleep(SERVING_AGAIN_LIMIT_S)
@@ -339,10 +317,10 @@ def test_a_killed_driver_is_restarted_by_the_kubelet_and_the_same_workers_serve_
 
     # The same worker processes, never restarted, with one model load each.
     after = {p.metadata.name: p for p in live_ready_workers(core, cluster.namespace, name)}
-    assert {n: pid_of(p) for n, p in after.items()} == pids
+    assert {n: cluster.pid_of(p) for n, p in after.items()} == pids
     for pod in after.values():
         assert all(s.restart_count == 0 for s in pod.status.container_statuses)
-        log = cluster.control_plane.kubectl("logs", "-n", cluster.namespace, pod.metadata.name).stdout
+        log = cluster.log_of(pod.metadata.name)
         assert log.count(LOADED) == 1, log[-3000:]
         # A worker that missed three pings says so, and says when the new driver reached it (one whose pings
         # resumed sooner, the driver back within its heartbeat window, need not have noticed).
