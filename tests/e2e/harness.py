@@ -348,3 +348,17 @@ def ask_france(address: str, port: int = 8000) -> str:
         temperature=0,
     )
     return str(answer.choices[0].message.content)
+
+
+def driver_metric(address: str, series: str, port: int = 8000) -> float:
+    """The sum of the driver's samples whose line starts with `series` (a name, or a name and labels)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
+
+
+def retried_batches(address: str, port: int = 8000) -> float:
+    """Batches the driver retried on another replica because theirs went away."""
+    return driver_metric(address, "iwg_batch_retries_total", port)

@@ -22,6 +22,7 @@ from kubernetes.client import ApiClient
 from tests.e2e.harness import (
     create,
     diagnose,
+    driver_metric,
     driver_pods,
     events,
     eventually,
@@ -30,7 +31,6 @@ from tests.e2e.harness import (
     worker_pods,
 )
 from tests.e2e.service_proxy import ServiceProxy
-from tests.e2e.test_scale_down import driver_metric
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
 from tests.nodeagent.fixture import NodeAgentProcess

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from iwg_operator.api import v1alpha1 as api
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -292,3 +293,14 @@ def real_cluster() -> Iterator[RealCluster]:
         )
     with real_cluster_running() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def cluster(real_cluster: RealCluster) -> Iterator[RealCluster]:
+    """The module's cluster; the groups a test made are removed after it, their pods gone."""
+    yield real_cluster
+    listed = real_cluster.groups.custom.list_namespaced_custom_object(
+        api.GROUP, api.VERSION, real_cluster.namespace, api.PLURAL
+    )
+    for group in listed["items"]:
+        real_cluster.remove(group["metadata"]["name"])

@@ -10,6 +10,11 @@ node agent (tests/e2e/test_drain.py): its six ranks of 500m and two drivers (req
 fit one real 2-CPU node once the other is drained; a third node, or smaller ranks, would bring it here (not
 tried).
 
+`kubectl scale` lowering replicas under load: the operator drains the leaving replica in every driver before it
+deletes its pods, so no batch in flight is cut (no driver retries one) and no request fails; a driver that
+does not answer (SIGSTOPped) holds a scale-down for at most the drain timeout; a scale-down undone while its
+replica drains leaves that replica serving, its pods kept. These clients reach each driver's pod directly.
+
 A new worker image rolled out under steady load, with the default single driver: the image changes the
 workers' revision and, the driver's image being the workers' by default, the driver's pod template, so both
 roll. The new images are new names of the light image on every node (`ctr images tag`), which the kubelets run
@@ -26,6 +31,8 @@ as any image: what is tested is the rollout. One group, two rollouts under one l
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -35,18 +42,27 @@ from kubernetes import client
 
 from tests.cluster.waiting import eventually
 from tests.e2e.drains import drain_each_node, load_seconds
-from tests.e2e.harness import MODEL, Load, driver_pods, events, group_manifest, pod_ready, worker_pods
-from tests.e2e.test_scale_down import retried_batches
-from tests.realnodes.fixture import RealCluster, real_cluster
+from tests.e2e.harness import (
+    MODEL,
+    Load,
+    driver_metric,
+    driver_pods,
+    events,
+    group_manifest,
+    pod_ready,
+    retried_batches,
+    worker_pods,
+)
+from tests.realnodes.fixture import RealCluster, cluster, real_cluster
 from tests.realnodes.nodes import WORKER_IMAGE
 
-__all__ = ["real_cluster"]
+__all__ = ["cluster", "real_cluster"]
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def test_draining_each_real_node_in_turn_under_load_loses_no_request(real_cluster: RealCluster) -> None:
-    cluster, core = real_cluster, real_cluster.core
+def test_draining_each_real_node_in_turn_under_load_loses_no_request(cluster: RealCluster) -> None:
+    core = cluster.core
     name = "drain"
     # Two workers and two drivers fit one node (2 CPUs) when the other is drained.
     manifest = group_manifest(
@@ -103,8 +119,8 @@ def replicas_seen(core: client.CoreV1Api, namespace: str, name: str) -> set[int]
     return {int(p.metadata.labels["inference.iwg.dev/replica"]) for p in worker_pods(core, namespace, name)}
 
 
-def test_new_images_under_load_lose_no_request(real_cluster: RealCluster) -> None:
-    cluster, core, groups = real_cluster, real_cluster.core, real_cluster.groups
+def test_new_images_under_load_lose_no_request(cluster: RealCluster) -> None:
+    core, groups = cluster.core, cluster.groups
     namespace = cluster.namespace
     cluster.nodes.tag_image(WORKER_IMAGE, *ROLLOUT_IMAGES)
     name = "roll"
@@ -185,3 +201,167 @@ def test_new_images_under_load_lose_no_request(real_cluster: RealCluster) -> Non
         assert phase["indices"] == {0, 1}, phase
     assert sum("drained replicas 0 " in m for m in drained) >= 2, said
     assert sum("drained replicas 1 " in m for m in drained) >= 2, said
+
+
+# The undo test's batches: long enough that a drain outlasts the steps of a scale-down and its undo on a loaded
+# machine (kubectl twice, the operator's watch and pass), short enough that the driver's limits hold: two
+# batches in flight on one replica (run one after the other) within its 30 s batch timeout, and a request that
+# waits behind four batches (replica 1 drained, all on replica 0) within its 60 s request timeout.
+UNDO_BATCH_S = 10
+LIGHT_500M = {"image": WORKER_IMAGE, "imagePullPolicy": "Never", "cpu": "500m"}
+
+
+def serve_slow_group(
+    cluster: RealCluster,
+    name: str,
+    batch_seconds: float | None = None,
+    max_batch_size: int | None = None,
+    drivers: int = 1,
+) -> dict[str, int]:
+    """Two serving replicas of SlowWorker and `drivers` ready drivers; returns each driver pod's loopback port
+    (relayed to its :8000)."""
+    manifest = group_manifest(
+        name, replicas=2, worker=LIGHT_500M, driver={"cpu": "500m", "replicas": drivers}
+    )
+    if max_batch_size is not None:
+        manifest["spec"]["driver"]["batching"] = {"maxBatchSize": max_batch_size}
+    manifest["spec"]["worker"]["workerCls"] = "tests.realnodes.slow_worker.SlowWorker"
+    if batch_seconds is not None:
+        manifest["spec"]["worker"]["env"] = [{"name": "E2E_SLOW_BATCH_S", "value": f"{batch_seconds:g}"}]
+    cluster.apply(manifest)
+    cluster.wait_serving(name, replicas=2)
+    ready = eventually(
+        lambda: (
+            pods
+            if len(pods := [p for p in driver_pods(cluster.core, cluster.namespace, name) if pod_ready(p)])
+            == drivers
+            else None
+        ),
+        120,
+        f"{drivers} drivers ready",
+    )
+    return {p.metadata.name: cluster.nodes.forward(p.status.pod_ip, 8000) for p in ready}
+
+
+def test_kubectl_scale_down_drains_the_leaving_replica_in_every_driver_before_deleting_its_pods(
+    cluster: RealCluster,
+) -> None:
+    groups, core = cluster.groups, cluster.core
+    namespace = cluster.namespace
+    name = "shrink"
+    drivers = serve_slow_group(cluster, name, drivers=2)
+    # Each driver routes its own clients' batches to both replicas (each batch takes 0.4 s more than the model
+    # needs), so each has batches in flight on replica 1 when the scale-down comes.
+    loads = {
+        pod: Load("127.0.0.1", MODEL, clients=3, inputs=2, port=port).start() for pod, port in drivers.items()
+    }
+    try:
+        time.sleep(3)
+        before = {pod: retried_batches("127.0.0.1", port) for pod, port in drivers.items()}
+        cluster.control_plane.kubectl(
+            "scale", "-n", namespace, f"inferenceworkergroup/{name}", "--replicas=1"
+        )
+        eventually(
+            lambda: {p.metadata.labels["inference.iwg.dev/replica"] for p in groups.pods(name)} == {"0"},
+            90,
+            "replica 1's pods gone",
+        )
+        time.sleep(2)
+    finally:
+        for load in loads.values():
+            load.stop()
+
+    for pod, load in loads.items():
+        assert load.failures == [], (pod, load.failures[:3])
+        assert load.ok > 5, pod
+        assert retried_batches("127.0.0.1", drivers[pod]) == before[pod], (
+            f"{pod} cut a batch: replica 1 went with it in flight"
+        )
+        # Both drivers were asked, not only the first one ready.
+        log = cluster.log_of(pod)
+        assert "replica 1: draining" in log and "replica 1: drained" in log, log[-3000:]
+    drained = [e.message for e in events(core, namespace, name, "DrainedReplicas")]
+    assert len(drained) == 1 and "replicas 1 in 2 drivers" in drained[0], drained
+
+
+def test_a_driver_that_does_not_answer_holds_a_scale_down_only_for_the_drain_timeout(
+    cluster: RealCluster,
+) -> None:
+    groups, core = cluster.groups, cluster.core
+    namespace = cluster.namespace
+    name = "stuck"
+    manifest = group_manifest(
+        name, replicas=2, rollout={"drainTimeoutSeconds": 2}, worker=LIGHT_500M, driver={"cpu": "500m"}
+    )
+    cluster.apply(manifest)
+    cluster.wait_serving(name, replicas=2)
+    driver = cluster.ready_driver(name, 30)
+    stopped = cluster.signal_container(driver, signal.SIGSTOP)  # still Ready for a while: the drain hangs
+    try:
+        started = time.monotonic()
+        cluster.control_plane.kubectl(
+            "scale", "-n", namespace, f"inferenceworkergroup/{name}", "--replicas=1"
+        )
+        eventually(
+            lambda: all(
+                p.metadata.deletion_timestamp
+                for p in groups.pods(name)
+                if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+            ),
+            60,
+            "replica 1's pods deleted",
+        )
+        held = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the kubelet's liveness probe may have restarted it
+            os.kill(stopped, signal.SIGCONT)
+    failed = [e.message for e in events(core, namespace, name, "DrainFailed")]
+    assert len(failed) == 1 and "replicas 1 not drained" in failed[0], failed
+    assert f"driver pod {driver.metadata.name}:" in failed[0], failed  # which driver did not answer
+    # The drain request waits drainTimeoutSeconds plus 10 s for the driver's answer, then the pods go.
+    assert 2 <= held < 2 + 10 + 15, held
+
+
+def replica_state(port: int, replica: int) -> str:
+    """The driver's state of one replica (the driver's :8000 relayed to `port`)."""
+    for state in ("joining", "serving", "draining", "dead"):
+        if driver_metric("127.0.0.1", f'iwg_replica_state{{replica="{replica}",state="{state}"}}', port) == 1:
+            return state
+    return "unknown"
+
+
+def test_a_scale_down_undone_while_draining_leaves_the_replica_serving(cluster: RealCluster) -> None:
+    groups = cluster.groups
+    namespace = cluster.namespace
+    name = "undo"
+    # One input per batch: four clients' requests arriving together would otherwise share one batch, sent to
+    # replica 0 every time, and replica 1 might never get one.
+    (port,) = serve_slow_group(cluster, name, batch_seconds=UNDO_BATCH_S, max_batch_size=1).values()
+    eventually(lambda: replica_state(port, 1) == "serving", 30, "replica 1 serving")
+    replica_1 = {
+        p.metadata.uid for p in groups.pods(name) if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+    }
+    load = Load("127.0.0.1", MODEL, clients=4, inputs=1, port=port).start()  # 10 s batches on both replicas
+    try:
+        eventually(
+            lambda: driver_metric("127.0.0.1", 'iwg_inflight_batches{replica="1"}', port) >= 1,
+            30,
+            "a batch on replica 1",
+        )
+        # The drain lasts until replica 1's batches in flight are done (up to two of 10 s, run one after the
+        # other); the undo must land within it, or the operator deletes replica 1's pods.
+        scale = ["scale", "-n", namespace, f"inferenceworkergroup/{name}"]
+        cluster.control_plane.kubectl(*scale, "--replicas=1")
+        eventually(lambda: replica_state(port, 1) == "draining", 30, "replica 1 draining")
+        cluster.control_plane.kubectl(*scale, "--replicas=2")
+        # Undrained by the pass after the drain's (which waits for the batches in flight).
+        eventually(lambda: replica_state(port, 1) == "serving", 60, "replica 1 serving again")
+    finally:
+        load.stop()
+
+    assert {
+        p.metadata.uid
+        for p in groups.live_pods(name)
+        if p.metadata.labels["inference.iwg.dev/replica"] == "1"
+    } == replica_1
+    assert load.failures == [], load.failures[:3]

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from iwg_operator.api import v1alpha1 as api
 
 from tests.cluster.waiting import eventually
 from tests.e2e.harness import (
@@ -38,26 +36,15 @@ from tests.e2e.harness import (
     worker_pods,
 )
 from tests.realnodes.faulty_worker import FAULT_FILE
-from tests.realnodes.fixture import RealCluster, real_cluster, spread_workers
+from tests.realnodes.fixture import RealCluster, cluster, real_cluster, spread_workers
 from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
 
-__all__ = ["real_cluster"]
+__all__ = ["cluster", "real_cluster"]
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 LIGHT = {"image": WORKER_IMAGE, "imagePullPolicy": "Never"}
 GPUS_PER_NODE = 1
-
-
-@pytest.fixture
-def cluster(real_cluster: RealCluster) -> Iterator[RealCluster]:
-    """The module's cluster; the groups a test made are removed after it, their pods gone."""
-    yield real_cluster
-    listed = real_cluster.groups.custom.list_namespaced_custom_object(
-        api.GROUP, api.VERSION, real_cluster.namespace, api.PLURAL
-    )
-    for group in listed["items"]:
-        real_cluster.remove(group["metadata"]["name"])
 
 
 def embedding_group(name: str, replicas: int, health: dict[str, Any], **worker: Any) -> dict[str, Any]:

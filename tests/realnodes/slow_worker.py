@@ -1,6 +1,6 @@
 """A TorchWorker that takes longer for every batch (0.4 s, or E2E_SLOW_BATCH_S from its environment), so that
-a replica always has batches in flight under load (`spec.worker.workerCls: tests.e2e.slow_worker.SlowWorker`;
-the node agent puts the repository on PYTHONPATH)."""
+a replica always has batches in flight under load (`spec.worker.workerCls: tests.realnodes.slow_worker.SlowWorker`;
+the nodes' containers have the repository importable)."""
 
 from __future__ import annotations
 
