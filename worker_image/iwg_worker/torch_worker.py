@@ -242,9 +242,17 @@ class TorchWorker(WorkerBase):
             raise TypeError("engine_cancel takes a list of request ids")
         return self._engine().cancel(request_ids)
 
-    def engine_stats(self) -> dict[str, Any]:
-        """Requests running and waiting, KV cache blocks used and total."""
-        return self._engine().stats()
+    def engine_stats(self, blocks_since: list[int] | None = None) -> dict[str, Any]:
+        """Requests running and waiting, KV cache blocks used and total, prefix-cache counters; with
+        `blocks_since` ([epoch, seq] of the caller's last report, or []), what the engine's prefix cache stored
+        and evicted since (vLLM's engine)."""
+        if blocks_since is not None and (
+            not isinstance(blocks_since, list)
+            or len(blocks_since) not in (0, 2)
+            or not all(type(v) is int for v in blocks_since)
+        ):
+            raise TypeError("engine_stats takes [epoch, seq] or []")
+        return self._engine().stats(blocks_since)
 
     def _engine(self) -> GenerationEngine | VllmEngine:
         if not isinstance(self.model, _engine_type()):

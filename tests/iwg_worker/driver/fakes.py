@@ -113,7 +113,9 @@ class FakePool:
     async def cancel_streams(self, replica: int, request_ids: list[str], timeout: float) -> None:
         self.replicas[replica].cancelled.extend(request_ids)
 
-    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
+    async def engine_stats(
+        self, replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
         return {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage": 0.0}
 
     async def close(self) -> None:

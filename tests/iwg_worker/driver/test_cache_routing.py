@@ -158,7 +158,9 @@ async def test_an_engine_that_evicted_its_cached_blocks_empties_its_replicas_tab
     pool = FakePool(replicas=2)
     counts = {0: {"prefix_cache_queries": 0, "prefix_cache_evictions": 0}, 1: {"prefix_cache_queries": 0}}
 
-    async def engine_stats(replica: int, timeout: float) -> dict[str, Any]:
+    async def engine_stats(
+        replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
         return {"requests_running": 0, "requests_waiting": 0, "block_size": BLOCK, **counts[replica]}
 
     pool.engine_stats = engine_stats  # type: ignore[method-assign]
@@ -172,3 +174,86 @@ async def test_an_engine_that_evicted_its_cached_blocks_empties_its_replicas_tab
     await service.poll_once()
     assert r.table.size(0) == 0 and r.table.size(1) > 0
     assert r._metrics.registry.get_sample_value("vllm:prefix_cache_queries_total") == 100
+
+
+async def test_the_table_follows_the_blocks_an_engine_reports_stored_and_evicted() -> None:
+    """vLLM's engine reports the driver hashes its prefix cache stored and evicted (engine.kv_events): an
+    evicted prefix is no longer claimed, a prefix another driver sent is learned, and a reset starts again
+    from what the engine holds."""
+    pool = FakePool(replicas=2)
+    reports: dict[int, dict[str, Any]] = {}
+    asked: list[tuple[int, list[int] | None]] = []
+
+    async def engine_stats(
+        replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
+        asked.append((replica, blocks_since))
+        report = reports.pop(replica, {"epoch": 7, "seq": 0, "reset": False, "stored": [], "removed": []})
+        return {"requests_running": 0, "requests_waiting": 0, "block_size": BLOCK, "prefix_blocks": report}
+
+    pool.engine_stats = engine_stats  # type: ignore[method-assign]
+    r = router(pool)
+    service = GenerationService(pool, r, r._metrics, timeout_s=60)
+    conversation = prompt_blocks(chat(1, "Tell me about the sea. " * 8), BLOCK)
+    elsewhere = prompt_blocks(chat(2, "Tell me about the mountains. " * 8), BLOCK)
+    assert conversation is not None and elsewhere is not None
+    placed = r.pick_generation(conversation)
+    assert placed is not None
+    other = 1 - placed
+    assert r.table.match(placed, conversation.hashes) == len(conversation.hashes)
+
+    # The engine evicted the conversation's blocks from the sixth on; another driver's request put a prompt
+    # on the other replica.
+    reports[placed] = {
+        "epoch": 7,
+        "seq": 3,
+        "reset": False,
+        "stored": [],
+        "removed": list(conversation.hashes[5:]),
+    }
+    reports[other] = {"epoch": 9, "seq": 4, "reset": False, "stored": list(elsewhere.hashes), "removed": []}
+    await service.poll_once()
+    assert r.table.match(placed, conversation.hashes) == 5
+    assert r.table.match(other, elsewhere.hashes) == len(elsewhere.hashes)
+    assert r.pick_generation(elsewhere) == other  # routed by the prefix it learned, not by hashing
+    metrics = r._metrics.registry
+    assert (
+        metrics.get_sample_value(
+            "iwg_routing_blocks_reported_total", {"replica": str(placed), "event": "evicted"}
+        )
+        == len(conversation.hashes) - 5
+    )
+
+    # Each replica is asked from its last report on.
+    asked.clear()
+    await service.poll_once()
+    assert dict(asked) == {placed: [7, 3], other: [9, 4]}
+
+    # A reset (the engine restarted, or its events were lost): what it holds now, nothing else.
+    reports[placed] = {
+        "epoch": 8,
+        "seq": 1,
+        "reset": True,
+        "stored": list(conversation.hashes[:2]),
+        "removed": [],
+    }
+    await service.poll_once()
+    assert r.table.match(placed, conversation.hashes) == 2
+    assert r.table.size(placed) == 2
+    assert r.table.match(other, elsewhere.hashes) == len(elsewhere.hashes)  # the other replica's view stays
+
+
+async def test_leastloaded_routing_asks_no_engine_for_its_blocks() -> None:
+    pool = FakePool(replicas=1)
+    asked: list[list[int] | None] = []
+
+    async def engine_stats(
+        replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
+        asked.append(blocks_since)
+        return {"requests_running": 0, "requests_waiting": 0}
+
+    pool.engine_stats = engine_stats  # type: ignore[method-assign]
+    r = router(pool, policy="leastLoaded")
+    await GenerationService(pool, r, r._metrics, timeout_s=60).poll_once()
+    assert asked == [None]

@@ -151,9 +151,15 @@ class ExecutorPool:
         with contextlib.suppress(Exception):  # the replica may be gone, which frees its cache anyway
             await self.executor.cancel_streams(request_ids, replica, timeout)
 
-    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
+    async def engine_stats(
+        self, replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
         stats: dict[str, Any] = await self.executor.collective_rpc_async(
-            "engine_stats", timeout=timeout, unique_reply_rank=self.executor.output_rank, replica=replica
+            "engine_stats",
+            () if blocks_since is None else (blocks_since,),
+            timeout=timeout,
+            unique_reply_rank=self.executor.output_rank,
+            replica=replica,
         )
         return stats
 

@@ -158,6 +158,13 @@ class DriverMetrics:
             ["replica", "reason"],
             registry=r,
         )
+        self.routing_blocks_reported = Counter(
+            "iwg_routing_blocks_reported",
+            "Prompt block hashes a replica's engine reported stored or evicted (vLLM's KV cache events), which "
+            "the routing table follows",
+            ["replica", "event"],
+            registry=r,
+        )
         self.routing_table_blocks = Gauge(
             "iwg_routing_table_blocks",
             "Prompt block hashes the driver remembers for a replica (cache-aware routing)",

@@ -120,8 +120,12 @@ class ReplicaPool(Protocol):
         """Stop requests on `replica`'s engine; their KV cache is freed at its next step."""
         ...
 
-    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
-        """`replica`'s engine counts: requests_running, requests_waiting, kv_cache_usage, ..."""
+    async def engine_stats(
+        self, replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
+        """`replica`'s engine counts: requests_running, requests_waiting, kv_cache_usage, ...; with
+        `blocks_since` ([epoch, seq] of the last report, or []) what its prefix cache stored and evicted since
+        (``prefix_blocks``, from engines that report it)."""
         ...
 
     def startup(self, replica: int) -> ReplicaStartup | None:

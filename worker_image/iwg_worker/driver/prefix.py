@@ -107,6 +107,13 @@ class PrefixTable:
         while len(held) > self.max_blocks:
             held.popitem(last=False)
 
+    def discard(self, replica: int, hashes: Iterable[int]) -> None:
+        """`replica` no longer holds the blocks `hashes` (its engine evicted them)."""
+        held = self._blocks.get(replica)
+        if held:
+            for h in hashes:
+                held.pop(h, None)
+
     def forget(self, replica: int) -> None:
         self._blocks.pop(replica, None)
 

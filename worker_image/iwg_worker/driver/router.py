@@ -210,6 +210,15 @@ class Router:
         self.table.forget(replica)
         self._metrics.routing_table_blocks.labels(replica=str(replica)).set(0)
 
+    def follow_blocks(self, replica: int, stored: list[int], evicted: list[int]) -> None:
+        """`replica`'s engine reported the prompt blocks it stored (whichever driver sent their requests) and
+        those it evicted: the table holds what the engine holds (a replica that left holds nothing)."""
+        if replica not in self.serving():
+            return
+        self.table.record(replica, tuple(stored))
+        self.table.discard(replica, evicted)
+        self._metrics.routing_table_blocks.labels(replica=str(replica)).set(self.table.size(replica))
+
     def observe_engine(self, replica: int, open_requests: int, block_size: int | None = None) -> None:
         """`replica`'s engine holds `open_requests` requests of every driver; those beyond this driver's own
         are other drivers' load, counted when choosing until the next report. `block_size`: its engine's

@@ -80,6 +80,8 @@ class GenerationService:
         self.active = 0  # requests admitted and not yet ended
         # per replica: its engine's prefix-cache (queries, hits, evictions)
         self._prefix_counts: dict[int, tuple[int, int, int]] = {}
+        # per replica: [epoch, seq] of the last report of its prefix blocks read (vLLM's engine)
+        self._blocks_seen: dict[int, list[int]] = {}
 
     async def stream(self, request: dict[str, Any], usage: StreamUsage) -> AsyncGenerator[dict[str, Any]]:
         """The request's items in order; `ApiError` when it cannot run, `StreamInterrupted` mid-way."""
@@ -100,6 +102,10 @@ class GenerationService:
         blocks = (
             prompt_blocks(request, self.router.block_size) if self.router.policy == "cacheAware" else None
         )
+        if (
+            blocks is not None and blocks.hashes
+        ):  # the engine reports them stored and evicted (engine.kv_events)
+            request["prefix_blocks"] = list(blocks.hashes)
         for _attempt in range(2):
             replica = self.router.pick_generation(blocks, tried)
             if replica is None and not tried:
@@ -206,8 +212,11 @@ class GenerationService:
         running = waiting = 0
         usages: list[float] = []
         for replica in self.router.serving():
+            follow = self.router.policy == "cacheAware"
             try:
-                stats = await self.pool.engine_stats(replica, CONTROL_TIMEOUT_S)
+                stats = await self.pool.engine_stats(
+                    replica, CONTROL_TIMEOUT_S, self._blocks_seen.get(replica, []) if follow else None
+                )
             except Exception as exc:
                 log.debug("engine stats of replica %d: %s", replica, exc)
                 continue
@@ -219,6 +228,7 @@ class GenerationService:
                 int(stats.get("block_size", 0)) or None,
             )
             self._count_prefix_cache(replica, stats)
+            self._follow_blocks(replica, stats)
             running += int(stats.get("requests_running", 0))
             waiting += int(stats.get("requests_waiting", 0))
             usages.append(float(stats.get("kv_cache_usage", 0.0)))
@@ -250,6 +260,23 @@ class GenerationService:
         self.metrics.prefix_cache_hits.inc(max(0, now[1] - before[1]))
         if now[2] > before[2]:  # the engine dropped every finished request's blocks: so does the table
             self.router.forget_prefixes(replica)
+
+    def _follow_blocks(self, replica: int, stats: dict[str, Any]) -> None:
+        """Apply what `replica`'s engine reported of its prefix cache (``prefix_blocks``: the driver hashes
+        stored and evicted since the last report; ``reset``: start again from what it holds now)."""
+        report = stats.get("prefix_blocks")
+        if not isinstance(report, dict):
+            return
+        if report.get("reset"):
+            self.router.forget_prefixes(replica)
+        stored, removed = list(report.get("stored") or ()), list(report.get("removed") or ())
+        self.router.follow_blocks(replica, stored, removed)
+        self._blocks_seen[replica] = [int(report["epoch"]), int(report["seq"])]
+        for event, hashes in (("stored", stored), ("evicted", removed)):
+            if hashes:
+                self.metrics.routing_blocks_reported.labels(replica=str(replica), event=event).inc(
+                    len(hashes)
+                )
 
 
 async def _shielded(call: Any) -> None:

@@ -97,8 +97,10 @@ class ZeroPool:
         if self._inner is not None:
             await self._inner.cancel_streams(replica, request_ids, timeout)
 
-    async def engine_stats(self, replica: int, timeout: float) -> dict[str, Any]:
-        return await self._current().engine_stats(replica, timeout)
+    async def engine_stats(
+        self, replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
+        return await self._current().engine_stats(replica, timeout, blocks_since)
 
     def startup(self, replica: int) -> ReplicaStartup | None:
         return self._inner.startup(replica) if self._inner is not None else None

@@ -312,7 +312,10 @@ class GenerationEngine(RequestFront):
     def running(self) -> bool:
         return bool(self.manager.is_running())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, blocks_since: list[int] | None = None) -> dict[str, Any]:
+        """Requests, KV cache use, prefix-cache counters. `blocks_since` is for vLLM's engine (it reports its
+        blocks one by one); this engine evicts every cached block at once and counts it
+        (``prefix_cache_evictions``), which the drivers follow."""
         processor = self.manager.batch_processor
         running = waiting = 0
         used = total = 0

@@ -68,6 +68,9 @@ class GenerationRequest:
     grammar: Any = field(default=None, compare=False)  # the schema compiled (xgrammar), set at admission
     tools_auto: bool = False  # tool_choice auto: the model may call the request's tools in its own format
     keep_token_ids: frozenset[int] = frozenset()  # special tokens its text keeps (auto's tool-call tags)
+    # The driver's hashes of the prompt's leading blocks (driver.prefix), which the engine reports as stored
+    # or evicted with its own blocks at the same positions (engine.kv_events).
+    prefix_blocks: tuple[int, ...] = ()
 
 
 _KEYS = frozenset(
@@ -91,9 +94,11 @@ _KEYS = frozenset(
         "json_param",
         "tools",
         "tool_choice",
+        "prefix_blocks",
     }
 )
 MAX_SCHEMA_CHARS = 65_536
+_U64 = (1 << 64) - 1
 
 
 def _chat_prompt(messages: Any, tools: Any, render_chat: Any) -> tuple[int, ...]:
@@ -261,4 +266,22 @@ def parse_request(raw: Any, limits: ModelLimits, tokenize: Any, render_chat: Any
         echo=bool(raw.get("echo", False)),
         json_param=json_param,
         tools_auto=tools_auto,
+        prefix_blocks=_prefix_blocks(raw.get("prefix_blocks"), len(prompt_ids)),
     )
+
+
+def _prefix_blocks(value: Any, prompt_tokens: int) -> tuple[int, ...]:
+    """The driver's block hashes: unsigned 64-bit integers, at most one per prompt token (the driver's blocks
+    are several tokens long), or none."""
+    if value is None:
+        return ()
+    if (
+        not isinstance(value, list)
+        or len(value) > prompt_tokens
+        or not all(type(h) is int and 0 <= h <= _U64 for h in value)
+    ):
+        raise RequestRejected(
+            "prefix_blocks",
+            "'prefix_blocks' must be a list of unsigned 64-bit integers, at most one per token",
+        )
+    return tuple(value)

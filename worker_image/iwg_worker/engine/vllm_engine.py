@@ -31,6 +31,8 @@ import json
 import logging
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ import msgpack
 
 from iwg_worker.engine.engine import EngineConfig, StreamSink
 from iwg_worker.engine.front import RequestFront
+from iwg_worker.engine.kv_events import KvBlockTracker, KvEventSubscriber
 from iwg_worker.engine.requests import GenerationRequest, ModelLimits, RequestRejected
 from iwg_worker.engine.sampler import TokenLogprobs
 from iwg_worker.engine.streams import RequestStream
@@ -188,6 +191,8 @@ class VllmEngine(RequestFront):
 
         self.tokenizer = tokenizer
         self.options = options
+        # Rank 0 (the only one with a sharded replica's streams and stats) reads vLLM's KV cache events.
+        self._events_dir = tempfile.mkdtemp(prefix="iwg-kv-events-") if options.rank == 0 else None
         args = EngineArgs(
             model=model_path,
             tokenizer=model_path,
@@ -200,6 +205,7 @@ class VllmEngine(RequestFront):
             # vLLM keeps one block aside (its null block): one more, so that the given number can be used.
             num_gpu_blocks_override=config.num_blocks + 1 if config.num_blocks else None,
             disable_log_stats=False,  # the scheduler's stats reach `stats` through a stat logger
+            kv_events_config=_kv_events_config(self._events_dir),
             **_cache_size(config, options),
             **_parallel(options),
         )
@@ -231,6 +237,11 @@ class VllmEngine(RequestFront):
             int(self.llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1
         )  # less the null block
         self._block_size = int(self.llm.vllm_config.cache_config.block_size)
+        self._blocks: KvBlockTracker | None = None
+        self._events: KvEventSubscriber | None = None
+        if self._events_dir is not None:
+            self._blocks = KvBlockTracker(max_blocks=2 * self._blocks_total + 1024)
+            self._events = KvEventSubscriber(_events_endpoint(self._events_dir), self._blocks)
         self._parameter_bytes: int | None = None
         self._streams: dict[str, RequestStream] = {}
         self._generated: dict[str, list[int]] = {}
@@ -271,6 +282,8 @@ class VllmEngine(RequestFront):
             self._streams[request.request_id] = self._stream(request)
             self._generated[request.request_id] = []
             self._pending_adds += 1
+        if self._blocks is not None:
+            self._blocks.expect(request.request_id, request.prefix_blocks)
         self._command("add", _request_message(request))
 
     def cancel(self, request_ids: list[str]) -> int:
@@ -332,7 +345,10 @@ class VllmEngine(RequestFront):
             request_id = payload["id"]
             try:
                 self.llm.add_request(
-                    request_id, TokensPrompt(prompt_token_ids=payload["prompt_ids"]), _sampling(payload)
+                    request_id,
+                    TokensPrompt(prompt_token_ids=payload["prompt_ids"]),
+                    _sampling(payload),
+                    session_id=request_id,  # its KV cache events name it (kv_events)
                 )
             except Exception as exc:  # vLLM's own checks refused it: this request alone fails
                 log.warning("request %s: refused by vLLM: %s", request_id, exc)
@@ -421,10 +437,11 @@ class VllmEngine(RequestFront):
     def running(self) -> bool:
         return self._thread.is_alive() and self._failed is None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, blocks_since: list[int] | None = None) -> dict[str, Any]:
         """Running, waiting and KV-cache use as vLLM's scheduler reported them after its last step, bounded by
         the requests vLLM still holds (none: an idle engine, whatever the last step said); requests queued for
-        the engine thread count as waiting."""
+        the engine thread count as waiting. With `blocks_since` ([epoch, seq] of the caller's last report, or
+        []): ``prefix_blocks``, the driver hashes stored and evicted since then (`KvBlockTracker.report`)."""
         latest = self._recorder.latest
         unfinished = int(self.llm.get_num_unfinished_requests())
         with self._lock:
@@ -432,7 +449,7 @@ class VllmEngine(RequestFront):
             streams = len(self._streams)
         running = min(latest.num_running_reqs, unfinished) if latest is not None else 0
         usage = float(latest.kv_cache_usage) if latest is not None and unfinished else 0.0
-        return {
+        stats = {
             "requests_running": running,
             "requests_waiting": unfinished - running + pending,
             "streams": streams,
@@ -446,6 +463,12 @@ class VllmEngine(RequestFront):
             "tool_call_format": self.tool_call_format(),
             "engine_running": self.running,
         }
+        if blocks_since is not None and self._blocks is not None:
+            epoch, since = (
+                (int(blocks_since[0]), int(blocks_since[1])) if len(blocks_since) == 2 else (None, 0)
+            )
+            stats["prefix_blocks"] = self._blocks.report(epoch, since)
+        return stats
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shards when the replica is sharded)."""
@@ -469,6 +492,10 @@ class VllmEngine(RequestFront):
             self.llm.engine_core.shutdown()
         except Exception:
             log.debug("vLLM engine shutdown", exc_info=True)
+        if self._events is not None:
+            self._events.close()
+        if self._events_dir is not None:
+            shutil.rmtree(self._events_dir, ignore_errors=True)
 
 
 # -- vLLM's arguments --------------------------------------------------------------------------------------
@@ -485,6 +512,20 @@ def _cache_size(config: EngineConfig, options: VllmOptions) -> dict[str, Any]:
     else:
         size = min(CPU_DEFAULT_MAX_BYTES, int(available * CPU_DEFAULT_FRACTION))
     return {"kv_cache_memory_bytes": max(size, 64 * 1024**2)}
+
+
+def _events_endpoint(directory: str) -> str:
+    return f"ipc://{directory}/kv-events"
+
+
+def _kv_events_config(directory: str | None) -> Any:
+    """vLLM's scheduler publishes its KV cache events on an ipc socket in `directory` (a rank that reads none:
+    no events)."""
+    if directory is None:
+        return None
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=_events_endpoint(directory))
 
 
 def _check_vllm_schema(schema: str, param: str) -> None:
