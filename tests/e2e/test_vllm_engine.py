@@ -17,6 +17,14 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 from openai import OpenAI
 
+from tests.e2e.autoscale import (
+    CHAT_TIMEOUT_S,
+    CONTEXT,
+    KV_BLOCKS,
+    ReplicaTimeline,
+    autoscaling,
+    step_up_and_back,
+)
 from tests.e2e.harness import (
     FAST_HEALTH,
     ChatLoad,
@@ -30,14 +38,6 @@ from tests.e2e.harness import (
     process_of,
     signal_worker,
     wait_serving,
-)
-from tests.e2e.test_autoscaling import (
-    CHAT_TIMEOUT_S,
-    CONTEXT,
-    KV_BLOCKS,
-    ReplicaTimeline,
-    autoscaling,
-    step_up_and_back,
 )
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
@@ -146,7 +146,13 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
     )
     # The second replica's vLLM start took 150 s+ under the suite's load once (import to engine core: 140 s).
     messages = step_up_and_back(
-        groups, core, node_agent, name, timeline, heavy, light, serving_timeout=START_TIMEOUT_S
+        groups,
+        core,
+        name,
+        timeline,
+        heavy,
+        light,
+        lambda n: wait_serving(groups, core, node_agent, name, replicas=n, timeout=START_TIMEOUT_S),
     )
     assert heavy.ok >= 10 and light.ok >= 3
     assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages

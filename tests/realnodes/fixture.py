@@ -27,6 +27,7 @@ from tests.iwg_operator.conftest import Groups, install_crd
 from tests.realnodes.nodes import RealNodes
 
 NAMESPACE = "realnodes"
+AUTOSCALE_INTERVAL_S = "1"  # the test clusters' autoscaler looks every second (as the e2e tests' operator)
 
 
 def spread_workers(group: str) -> dict[str, Any]:
@@ -219,8 +220,10 @@ def real_cluster_running(
     test_environment: bool = True,
     namespace: str = NAMESPACE,
     log: Callable[[str], object] = lambda _: None,
+    operator_env: dict[str, str] | None = None,
 ) -> Iterator[RealCluster]:
-    """The cluster, up: `log` is told each step's time as it is done."""
+    """The cluster, up: `log` is told each step's time as it is done; `operator_env` is added to the
+    operator's environment."""
     cp = ControlPlane(name="iwg-nodes")
     nodes = RealNodes(cp, count, extra_images, test_environment)
     cp.apiserver_args = tuple(nodes.apiserver_args())
@@ -257,7 +260,7 @@ def real_cluster_running(
                         "info",
                     ]
                 ),
-                env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)},
+                env={**os.environ, "KUBECONFIG": str(cp.kubeconfig), **(operator_env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -291,7 +294,7 @@ def real_cluster() -> Iterator[RealCluster]:
         pytest.skip(
             f"the checkout {repo} is under /tmp, which the worker and driver pods mount over: clone elsewhere"
         )
-    with real_cluster_running() as cluster:
+    with real_cluster_running(operator_env={"IWG_AUTOSCALE_INTERVAL_S": AUTOSCALE_INTERVAL_S}) as cluster:
         yield cluster
 
 

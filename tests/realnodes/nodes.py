@@ -128,6 +128,7 @@ class RealNodes:
         self.timings: dict[str, float] = {}
         self._procs: list[ProcessRecord] = []
         self._daemons: dict[str, ProcessRecord] = {}
+        self._forwards: dict[tuple[str, str, int], int] = {}  # (namespace, ip, port) -> the relay's host port
 
     # -- public surface -------------------------------------------------------------------------
 
@@ -175,16 +176,20 @@ class RealNodes:
         """A port on the host's loopback relayed to `ip:port` in the cluster network: connecting from the
         fabric, or from the node `via` (its own namespace, where its kube-proxy's rules turn a ClusterIP into a
         pod's address, as for any client on that node; a refused or failed connect there closes the client's
-        connection without an answer)."""
+        connection without an answer). One port per destination: asked again, the same port."""
         import socket
 
         netns = self.fabric_netns if via is None else next(n.netns for n in self.nodes if n.name == via)
+        known = self._forwards.get((netns, ip, port))
+        if known is not None:
+            return known
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(self.workdir / "relay.sock"))
             sock.sendall(f"{netns} {ip} {port}\n".encode())
             answer = sock.makefile().readline().strip()
         if not answer.isdigit():
             raise RuntimeError(f"relay to {ip}:{port}: {answer}")
+        self._forwards[(netns, ip, port)] = int(answer)
         return int(answer)
 
     def advertise_gpus(self, node_name: str, count: int, timeout: float = 60) -> None:

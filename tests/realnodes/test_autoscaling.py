@@ -1,11 +1,13 @@
-"""Scale to zero and back on the cluster harness (issue 25): a SmolLM2 group created at 0 replicas with
-autoscaling from minReplicas 0. Three times in one run, 32 chat requests sent at once through the group's
-Service (no retries, by the proxy or the client) are held by the driver while the autoscaler brings a replica
-up, and all answered (the time to the first answer printed beside a full engine step's); after the idle
-window the group drains back to 0 (phase Idle, no worker pod, nothing held).
-The second time the driver pod holding them is deleted (a drain, a rollout) and the clients, with the openai
-client's default retries, are all answered. A request sent while the last replica leaves is held and served
-by the next one, not failed."""
+"""The autoscaler on real load, on real kubelets (tests/e2e/autoscale.py has the load step). A load step through the group's driver Service (the first
+node's kube-proxy; clients without retries) scales an embedding group on `inflight` up to max, the second
+replica's pod started by a kubelet; when load falls it scales down after the stabilization window, draining the
+leaving replica in the driver first: no flapping, no failed request. The operator reads the driver's metrics
+from the cluster network, as its pod would, every second (IWG_AUTOSCALE_INTERVAL_S). And scale to zero
+and back: a SmolLM2 group at zero replicas holds requests through its Service, scales up for them and goes
+back to zero when idle (the second test's docstring).
+
+Its own cluster, in the e2e lane (tests/lanes.py): the other real-node modules' cluster runs in the cluster
+lane at the same time, each in network and mount namespaces of its own."""
 
 from __future__ import annotations
 
@@ -13,29 +15,63 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
-from kubernetes.client import ApiClient
 
+from tests.cluster.waiting import eventually
+from tests.e2e.autoscale import ReplicaTimeline, autoscaling, step_up_and_back
 from tests.e2e.harness import (
-    create,
-    diagnose,
+    MODEL,
+    Load,
     driver_metric,
     driver_pods,
     events,
-    eventually,
+    group_manifest,
     openai_client,
     pod_ready,
     worker_pods,
 )
-from tests.e2e.service_proxy import ServiceProxy
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
-from tests.nodeagent.fixture import NodeAgentProcess
+from tests.realnodes.fixture import RealCluster, cluster, real_cluster
+from tests.realnodes.nodes import WORKER_IMAGE
+
+__all__ = ["cluster", "real_cluster"]
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+LIGHT = {"image": WORKER_IMAGE, "imagePullPolicy": "Never"}
+
+
+def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_requests(
+    cluster: RealCluster,
+) -> None:
+    name = "elastic"
+    manifest = group_manifest(
+        name,
+        replicas=1,
+        autoscaling=autoscaling("inflight", 1.5),
+        worker={**LIGHT, "cpu": "500m"},
+        driver={"cpu": "500m"},
+    )
+    cluster.apply(manifest)
+    port = cluster.wait_serving(name, replicas=1)
+    timeline = ReplicaTimeline(cluster.groups, name).start()
+    light = Load("127.0.0.1", MODEL, clients=1, inputs=1, port=port).start()
+    heavy = Load("127.0.0.1", MODEL, clients=4, inputs=8, port=port)
+    step_up_and_back(
+        cluster.groups,
+        cluster.core,
+        name,
+        timeline,
+        heavy,
+        light,
+        lambda replicas: cluster.wait_serving(name, replicas, timeout=180),
+    )
+    assert heavy.ok > 10 and light.ok > 5
+
 
 IDLE_S = 6
 REQUESTS = 32
@@ -77,10 +113,23 @@ def last_activation(groups: Groups, name: str) -> dict[str, Any]:
     return dict((groups.get(name).get("status") or {}).get("lastActivation") or {})
 
 
+def driver_metric_of(cluster: RealCluster, pod: Any, series: str) -> float:
+    """`series` of a driver pod's /metrics, read from the cluster network (the relay's port to its address)."""
+    return driver_metric("127.0.0.1", series, port=cluster.nodes.forward(pod.status.pod_ip, 8000))
+
+
 def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_zero_when_idle(
-    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
+    cluster: RealCluster,
 ) -> None:
-    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+    """Scale to zero and back (issue 25): a SmolLM2 group created at 0 replicas with autoscaling from
+    minReplicas 0, its model on a volume. Three times in one run, 32 chat requests sent at once through the
+    group's Service (no retries, by kube-proxy or the client) are held by the driver while the autoscaler brings
+    a replica up (a pod the kubelet starts), and all answered (the time to the first answer printed beside a
+    full engine step's); after the idle window the group drains back to 0 (phase Idle, no worker pod, nothing
+    held). The second time the driver pod holding them is deleted (a drain, a rollout) and the clients, with
+    the openai client's default retries, are all answered. A request sent while the last replica leaves is
+    held and served by the next one, not failed."""
+    groups, core, workspace = cluster.groups, cluster.core, cluster.namespace
     name = "zero"
     manifest = smollm2_manifest(kv_blocks=64)
     manifest["metadata"] = {"name": name}
@@ -92,7 +141,11 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
         "scaleToZeroAfterSeconds": IDLE_S,
         "activationTimeoutSeconds": 240,
     }
-    create(control_plane, workspace, manifest)
+    manifest["spec"]["worker"] = {**manifest["spec"]["worker"], **LIGHT}
+    manifest["spec"]["driver"] = {**manifest["spec"]["driver"], "cpu": "500m"}
+    volume = cluster.model_volume("smollm2", Path(manifest["spec"]["model"]["path"]))
+    manifest["spec"]["model"] = {**manifest["spec"]["model"], "volume": volume, "path": volume["mountPath"]}
+    cluster.apply(manifest)
     try:
         # At zero the driver is Ready (it holds requests), and the group is Idle, not Degraded.
         eventually(
@@ -100,19 +153,21 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
         )
         eventually(lambda: phase(groups, name) == (0, "Idle"), 60, "phase Idle at 0 replicas")
         assert worker_pods(core, workspace, name) == []
-        proxy = ServiceProxy(
-            node_agent.gateway, f"{name}-driver.{workspace}.svc.cluster.local", 8000, retry_refused=False
-        ).start()
-        api = openai_client("127.0.0.1", port=proxy.listen_port, timeout=240)  # max_retries=0
+        port = cluster.service_port(name)  # through kube-proxy: a refused connect is the client's failure
+        api = openai_client("127.0.0.1", port=port, timeout=240)  # max_retries=0
+        # Until kube-proxy has the ready driver in its rules, a connect to the Service is refused.
+        eventually(
+            lambda: api.models.list().data, 60, "the driver's Service to answer", tolerate=(Exception,)
+        )
         # The openai client's default: a connection its driver closes under a request is sent again.
-        retrying = openai_client("127.0.0.1", port=proxy.listen_port, timeout=240, max_retries=2)
+        retrying = openai_client("127.0.0.1", port=port, timeout=240, max_retries=2)
 
         def burst(client: Any) -> list[tuple[str, float]]:
             with ThreadPoolExecutor(REQUESTS) as pool:
                 return list(pool.map(lambda i: timed_ask(client, stream=i % 2 == 0), range(REQUESTS)))
 
         def held() -> float:
-            return sum(driver_metric(p.status.pod_ip, "iwg_activation_waiting") for p in ready_drivers())
+            return sum(driver_metric_of(cluster, p, "iwg_activation_waiting") for p in ready_drivers())
 
         def ready_drivers() -> list[Any]:
             return [p for p in driver_pods(core, workspace, name) if pod_ready(p)]
@@ -177,8 +232,7 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
             back_to_zero(cycle)
             if restart:
                 assert first[0].metadata.name not in {p.metadata.name for p in ready_drivers()}
-        driver_ip = ready_drivers()[0].status.pod_ip
-        assert driver_metric(driver_ip, "iwg_activation_seconds_count") >= REQUESTS
+        assert driver_metric_of(cluster, ready_drivers()[0], "iwg_activation_seconds_count") >= REQUESTS
 
         # A request while the last replica leaves: bring one up, and ask the moment replicas go to 0.
         warm = threading.Thread(target=ask, args=(api, False))
@@ -189,9 +243,8 @@ def test_a_group_at_zero_holds_requests_scales_up_serves_them_and_goes_back_to_z
         leaving = bool(worker_pods(core, workspace, name))
         late = ask(api, stream=True)
         assert late == answers[0]
-        proxy.stop()
     except Exception as error:  # an API error or timeout too: what the operator and the driver said
-        raise AssertionError(f"{error}\n{diagnose(node_agent, core, workspace)}") from None
+        raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
     print(
         f"scale from zero, {REQUESTS} requests each time (the second with the driver deleted): "
         + "; ".join(cycles)

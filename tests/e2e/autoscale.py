@@ -1,26 +1,21 @@
-"""The autoscaler on real load: a load step scales the group up to max, and when load falls it scales down
-after the stabilization window, draining the leaving replica first: no flapping, no failed request. Here for
-an embedding group on `inflight`; a SmolLM2 generation group on `requestsWaiting` under streaming chat load in
-tests/e2e/test_vllm_engine.py (the step and the sizes are this module's)."""
+"""The autoscaler's load step, shared by the real-node autoscaling test (tests/realnodes/test_autoscaling.py:
+an embedding group on `inflight`) and the vLLM group's (tests/e2e/test_vllm_engine.py: SmolLM2 on
+`requestsWaiting` under streaming chat load): a load step scales the group up to max, and when load falls it
+scales down after the stabilization window, draining the leaving replica first: no flapping, no failed
+request."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-import pytest
-import yaml
 from kubernetes import client
-from kubernetes.client import ApiClient
 
-from tests.e2e.harness import Load, eventually, group_manifest, wait_serving
+from tests.e2e.harness import Load, eventually
 from tests.iwg_operator.conftest import Groups
-from tests.nodeagent.fixture import NodeAgentProcess
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-MODEL = "all-MiniLM-L6-v2"
 DOWN_WINDOW_S = 20
 
 
@@ -69,19 +64,18 @@ def autoscaling(metric: str, target: float) -> dict[str, Any]:
 def step_up_and_back(
     groups: Groups,
     core: client.CoreV1Api,
-    agent: NodeAgentProcess,
     name: str,
     timeline: ReplicaTimeline,
     heavy: Load,
     light: Load,
-    serving_timeout: float = 180,
+    serving: Callable[[int], object],
 ) -> list[str]:
     """With `light` running, the `heavy` load step scales the group 1 -> 2 and, once it stops, back to 1 after
-    the window: no flapping, no failed request. Returns the Autoscaled Events' messages. `serving_timeout`: for
-    the second replica to serve once it is asked for."""
+    the window: no flapping, no failed request. Returns the Autoscaled Events' messages. `serving(2)` returns
+    once the second replica serves, after it was asked for."""
     heavy.start()
     eventually(lambda: timeline.current() == 2, 120, "scale-up to maxReplicas")
-    wait_serving(groups, core, agent, name, replicas=2, timeout=serving_timeout)
+    serving(2)
     time.sleep(3)
     # The load starts falling when the heavy clients stop sending, not when their last answers are in:
     # stop() waits for those, seconds on a busy machine, and the window may already run meanwhile.
@@ -112,21 +106,6 @@ def step_up_and_back(
     return messages
 
 
-def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_requests(
-    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
-) -> None:
-    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
-    name = "elastic"
-    manifest = group_manifest(name, replicas=1, autoscaling=autoscaling("inflight", 1.5))
-    control_plane.kubectl("apply", "-n", workspace, "-f", "-", input=yaml.safe_dump(manifest))
-    address = wait_serving(groups, core, node_agent, name, replicas=1)
-    timeline = ReplicaTimeline(groups, name).start()
-    light = Load(address, MODEL, clients=1, inputs=1).start()
-    heavy = Load(address, MODEL, clients=4, inputs=8)
-    step_up_and_back(groups, core, node_agent, name, timeline, heavy, light)
-    assert heavy.ok > 10 and light.ok > 5
-
-
 # About 200 prompt tokens take 4 of the 16 KV cache blocks (64 tokens each): one replica runs 4 such streams
 # at once, the others wait in its engine, which is what requestsWaiting counts. A waiting stream receives
 # nothing until it runs: on this shared 2-core machine that can take more than a minute, hence the timeout.
@@ -135,7 +114,3 @@ CONTEXT = (
     "Background: the rainbow has seven colours, red, orange, yellow, green, blue, indigo and violet. " * 7
 )
 CHAT_TIMEOUT_S = 300.0
-
-
-# The generation group's step (a streaming chat load scaling it 1 -> 2 on requestsWaiting and back) runs on vLLM's
-# engine, the default where it is installed: tests/e2e/test_vllm_engine.py, with the sizes above.
