@@ -42,7 +42,7 @@ NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
 # its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("e2e", True, ("e2e/", "realnodes/test_autoscaling.py")),
+    ("e2e", True, ("e2e/", "realnodes/test_autoscaling.py", "realnodes/test_vllm_engine.py")),
     ("cluster", True, ("",)),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),
     ("worker", False, ("",)),

@@ -1,5 +1,5 @@
 """The autoscaler's load step, shared by the real-node autoscaling test (tests/realnodes/test_autoscaling.py:
-an embedding group on `inflight`) and the vLLM group's (tests/e2e/test_vllm_engine.py: SmolLM2 on
+an embedding group on `inflight`) and the vLLM group's (tests/realnodes/test_vllm_engine.py: SmolLM2 on
 `requestsWaiting` under streaming chat load): a load step scales the group up to max, and when load falls it
 scales down after the stabilization window, draining the leaving replica first: no flapping, no failed
 request."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from iwg_worker.executor.base import RPCError
 from iwg_worker.executor.uniproc import UniProcExecutor
-from iwg_worker.torch_worker import TorchWorker, auto_dtype
+from iwg_worker.torch_worker import TorchWorker, auto_dtype, cgroup_memory, host_memory_info
 from iwg_worker.worker_base import WorkerConfig
 
 from .conftest import SENTENCES
@@ -144,3 +144,27 @@ async def test_a_generate_worker_streams_greedy_tokens_equal_to_transformers(tin
             executor.execute_model({"input_ids": [[1, 2]], "max_tokens": 2})
     finally:
         executor.shutdown()
+
+
+def test_memory_this_process_may_use_is_bounded_by_its_cgroups_limit(tmp_path: Path) -> None:
+    """A pod's memory limit, not the node's memory, bounds what the engines size their KV cache by (a vLLM
+    worker in a 4 GiB pod on a 24 GiB node asked for a 2 GiB cache with 1.2 GiB left, and did not start)."""
+    gib = 1024**3
+    host_available, host_total = host_memory_info(tmp_path / "none")  # no cgroup files: the host's own
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{4 * gib}\n")
+    (v2 / "memory.current").write_text(f"{3 * gib}\n")
+    assert cgroup_memory(v2) == (4 * gib, 3 * gib)
+    available, total = host_memory_info(v2)
+    assert total == min(host_total, 4 * gib) and available <= gib
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * gib}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{gib // 2}\n")
+    assert cgroup_memory(v1) == (2 * gib, gib // 2)
+    assert host_memory_info(v1)[1] == min(host_total, 2 * gib)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory(v1) is None and cgroup_memory(v2) is None
+    assert host_memory_info(v2)[1] == host_total and host_available > 0

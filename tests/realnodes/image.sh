@@ -11,7 +11,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 suite=bookworm
 packages=(libssl3 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 zlib1g libexpat1 libuuid1 libncursesw6
-  libreadline8 libstdc++6 libgomp1 ca-certificates)
+  libreadline8 libstdc++6 libgomp1 libnuma1 ca-certificates)
 key="$({ cat "$here/image.sh" "$here/pause.c"; echo "$suite ${packages[*]}"; } | sha256sum | cut -c1-12)"
 out="${IWG_CACHE_DIR:-$HOME/.cache/iwg}/images/realnodes-$key"
 if [[ "${1:-}" == "--print-dir" ]]; then echo "$out"; exit 0; fi

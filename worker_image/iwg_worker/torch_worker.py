@@ -34,19 +34,48 @@ def auto_dtype(model_config: dict[str, Any] | None, device_type: str) -> torch.d
     return dtype
 
 
-def host_memory_info() -> tuple[int, int]:
-    """(available, total) bytes of host memory, from /proc/meminfo where present."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup (a pod's limits.memory), None without a limit:
+    cgroup v2's memory.max and memory.current, or v1's memory.limit_in_bytes and memory.usage_in_bytes."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            raw = (root / limit_file).read_text().strip()
+            if raw == "max":
+                return None
+            limit, usage = int(raw), int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        return None if limit >= _UNLIMITED else (limit, usage)
+    return None
+
+
+def host_memory_info(cgroup_root: Path = CGROUP_ROOT) -> tuple[int, int]:
+    """(available, total) bytes of memory this process may use: the host's (/proc/meminfo where present),
+    bounded by its memory cgroup's limit where one is set (a pod's limit, not the node's memory: sizing a KV
+    cache from the node's would ask for more than the container may hold)."""
     try:
         fields = {}
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 name, value = line.split(":", 1)
                 fields[name] = int(value.split()[0]) * 1024
-        return fields["MemAvailable"], fields["MemTotal"]
+        available, total = fields["MemAvailable"], fields["MemTotal"]
     except (OSError, KeyError, ValueError):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return free, total
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    bounded = cgroup_memory(cgroup_root)
+    if bounded is not None:
+        limit, usage = bounded
+        total = min(total, limit)
+        available = min(available, max(0, limit - usage))
+    return available, total
 
 
 class TorchWorker(WorkerBase):

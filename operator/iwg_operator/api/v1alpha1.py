@@ -267,7 +267,7 @@ class KvCacheSpec(ApiModel):
         description=(
             "Cache size as a fraction of the device memory free after the model is loaded. Default (neither "
             "set): transformers' own share on a GPU (0.9 of free memory in most setups); on CPU a quarter of "
-            "available memory, at most 2 GiB."
+            "available memory (the host's, bounded by the worker container's memory limit), at most 2 GiB."
         ),
     )
 

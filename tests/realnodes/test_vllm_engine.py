@@ -1,22 +1,26 @@
 """A generation group on vLLM's engine (spec.model.engine vllm: SmolLM2, eager, a 16-block KV cache) through the
-operator, in sequence on one group: it serves and reports its engine (status.engine, the ENGINE column),
+operator on real kubelets, the worker on the light image with its model on a volume, reached through the
+driver's Service (kube-proxy; no retries), in sequence on one group: it serves and reports its engine (status.engine, the ENGINE column),
 streams a right chat answer through the official `openai` client, a SIGKILLed worker is replaced by the
 restart rules and the replacement answers again, and streaming chat load scales it 1 -> 2 on requestsWaiting
-(the engine's queued requests) and back after the window, losing no request."""
+(the engine's queued requests) and back after the window, losing no request. A cluster of its own, in the e2e
+lane (tests/lanes.py).
+
+Each worker gets 1500m of CPU (the example's 2 CPUs, twice, and a driver do not fit two 2-CPU nodes when the
+group scales to two replicas); vLLM's CPU worker sizes its threads by the cgroup's quota."""
 
 from __future__ import annotations
 
 import signal
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
 
 import psutil
 import pytest
-from kubernetes import client
-from kubernetes.client import ApiClient
 from openai import OpenAI
 
+from tests.cluster.waiting import eventually
 from tests.e2e.autoscale import (
     CHAT_TIMEOUT_S,
     CONTEXT,
@@ -29,19 +33,16 @@ from tests.e2e.harness import (
     FAST_HEALTH,
     ChatLoad,
     await_replacement,
-    create,
     events,
-    eventually,
     group_manifest,
     live_ready_workers,
     openai_client,
-    process_of,
-    signal_worker,
-    wait_serving,
 )
-from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
-from tests.nodeagent.fixture import NodeAgentProcess
+from tests.realnodes.fixture import RealCluster, cluster, real_cluster
+from tests.realnodes.nodes import WORKER_IMAGE
+
+__all__ = ["cluster", "real_cluster"]
 
 # Three vLLM starts (the first replica, its replacement, the second replica) on a shared 2-core machine.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,9 +70,10 @@ class UnsharedChatLoad(ChatLoad):
         )
 
 
-def stream_france(address: str) -> str:
-    """The France question as a stream; the text it carried, once it ended with a finish reason."""
-    stream = openai_client(address).chat.completions.create(
+def stream_france(port: int) -> str:
+    """The France question as a stream through the Service's port; the text it carried, once it ended with a
+    finish reason."""
+    stream = openai_client("127.0.0.1", port).chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=8,
@@ -87,10 +89,8 @@ def stream_france(address: str) -> str:
     return text
 
 
-def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
-    node_agent: NodeAgentProcess, control_plane: Any, k8s: ApiClient, workspace: str, e2e_operator: Any
-) -> None:
-    groups, core = Groups(k8s, workspace), client.CoreV1Api(k8s)
+def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(cluster: RealCluster) -> None:
+    groups, core, workspace = cluster.groups, cluster.core, cluster.namespace
     name = "vllm"
     manifest = group_manifest(
         name,
@@ -99,34 +99,40 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
         health=HEALTH,
         autoscaling=autoscaling("requestsWaiting", 1),
     )
-    create(control_plane, workspace, manifest)
+    spec = manifest["spec"]
+    spec["worker"] = {**spec["worker"], "image": WORKER_IMAGE, "imagePullPolicy": "Never", "cpu": "1500m"}
+    spec["driver"] = {**spec["driver"], "cpu": "500m"}
+    volume = cluster.model_volume("smollm2", Path(spec["model"]["path"]))
+    spec["model"] = {**spec["model"], "volume": volume, "path": volume["mountPath"]}
+    cluster.apply(manifest)
     started = time.monotonic()
 
     # 1. Serving, on vLLM's engine as the worker reports it.
-    address = wait_serving(groups, core, node_agent, name, replicas=1, timeout=START_TIMEOUT_S)
+    port = cluster.wait_serving(name, replicas=1, timeout=START_TIMEOUT_S)
     print(f"serving {time.monotonic() - started:.1f}s after apply")
     eventually(
         lambda: (groups.get(name).get("status") or {}).get("engine") == "vllm", 30, "status.engine vllm"
     )
-    table = control_plane.kubectl("get", "iwg", "-n", workspace).stdout
+    table = cluster.control_plane.kubectl("get", "iwg", "-n", workspace).stdout
     assert "ENGINE" in table and "vllm" in table, table
 
     # 2. A streamed chat answer.
-    assert "Paris" in stream_france(address)
+    assert "Paris" in stream_france(port)
 
     # 3. SIGKILL the worker: the restart rules replace its pod, and the new vLLM engine answers.
     time.sleep(PERIOD * 2)  # the prober has seen the worker healthy: it supervises it
     victim = live_ready_workers(core, workspace, name)[0]
     # vLLM's engine core and model process, which the worker spawned: they must not outlive it.
-    engine_processes = psutil.Process(process_of(victim)).children(recursive=True)
+    engine_processes = psutil.Process(cluster.pid_of(victim)).children(recursive=True)
     assert engine_processes, "the worker runs vLLM's engine in processes of its own"
     killed = time.monotonic()
-    signal_worker(victim, signal.SIGKILL)
-    recovery = await_replacement(core, groups, name, [victim], killed, 1, timeout=START_TIMEOUT_S)
+    cluster.signal_container(victim, signal.SIGKILL)
+    try:
+        recovery = await_replacement(core, groups, name, [victim], killed, 1, timeout=START_TIMEOUT_S)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{cluster.diagnose()}") from None
     print(f"SIGKILL: detected after {recovery.detected_s:.2f}s, serving after {recovery.ready_s:.2f}s")
-    answer = eventually(
-        lambda: stream_france(address), 120, "an answer from the replacement", 1.0, (Exception,)
-    )
+    answer = eventually(lambda: stream_france(port), 120, "an answer from the replacement", 1.0, (Exception,))
     assert "Paris" in answer
     left = [p.pid for p in engine_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"vLLM processes of the killed worker still running: {left}"
@@ -140,9 +146,9 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
     # target, so it holds), and back to one once they stop.
     model = manifest["spec"]["model"]["servedName"]
     timeline = ReplicaTimeline(groups, name).start()
-    light = ChatLoad(address, model, clients=1, max_tokens=8, timeout=CHAT_TIMEOUT_S).start()
+    light = ChatLoad("127.0.0.1", model, clients=1, max_tokens=8, timeout=CHAT_TIMEOUT_S, port=port).start()
     heavy = UnsharedChatLoad(
-        address, model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S
+        "127.0.0.1", model, clients=10, max_tokens=4, context=CONTEXT, timeout=CHAT_TIMEOUT_S, port=port
     )
     # The second replica's vLLM start took 150 s+ under the suite's load once (import to engine core: 140 s).
     messages = step_up_and_back(
@@ -152,7 +158,7 @@ def test_a_vllm_group_serves_heals_and_scales_on_requests_waiting(
         timeline,
         heavy,
         light,
-        lambda n: wait_serving(groups, core, node_agent, name, replicas=n, timeout=START_TIMEOUT_S),
+        lambda n: cluster.wait_serving(name, n, timeout=START_TIMEOUT_S),
     )
     assert heavy.ok >= 10 and light.ok >= 3
     assert any(m.startswith("replicas 1 -> 2: requestsWaiting") for m in messages), messages
