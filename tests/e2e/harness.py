@@ -156,12 +156,18 @@ class ChatLoad(Load):
             max_tokens=self.max_tokens,
             stream=True,
         )
-        text, finish = "", None
-        for chunk in stream:
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                finish = choice.finish_reason or finish
+        text, finish = joined(stream)
         assert finish in ("stop", "length") and text.strip(), (finish, text)
+
+
+def joined(stream: Any) -> tuple[str, str | None]:
+    """A streamed chat answer's text and finish reason (the last one given)."""
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
 
 
 def diagnose(agent: Any, core: client.CoreV1Api, namespace: str) -> str:

@@ -35,6 +35,7 @@ from tests.e2e.harness import (
     await_replacement,
     events,
     group_manifest,
+    joined,
     live_ready_workers,
     openai_client,
 )
@@ -80,11 +81,7 @@ def stream_france(port: int) -> str:
         temperature=0,
         stream=True,
     )
-    text, finish = "", None
-    for chunk in stream:
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
+    text, finish = joined(stream)
     assert finish in ("stop", "length"), (finish, text)
     return text
 
