@@ -18,6 +18,11 @@ from tests import lanes
         ("e2e/test_drain.py", True, "e2e"),
         ("e2e/test_selfheal.py", True, "e2e"),
         ("realnodes/test_real_nodes.py", True, "cluster"),
+        (
+            "realnodes/test_autoscaling.py",
+            True,
+            "e2e",
+        ),  # a real-node cluster of its own, beside the cluster lane's
         ("iwg_operator/test_quiet_cluster.py", True, "cluster"),
         ("iwg_worker/driver/test_driver_streams.py", False, "engine"),
         ("iwg_worker/driver/test_driver_restart.py", False, "engine"),
