@@ -257,3 +257,47 @@ async def test_leastloaded_routing_asks_no_engine_for_its_blocks() -> None:
     r = router(pool, policy="leastLoaded")
     await GenerationService(pool, r, r._metrics, timeout_s=60).poll_once()
     assert asked == [None]
+
+
+@pytest.mark.parametrize(
+    "malformed",
+    [
+        {"epoch": 7, "reset": False, "stored": [], "removed": []},  # no seq
+        {"epoch": 7, "seq": 1, "stored": ["not a hash"], "removed": []},
+        {"epoch": 7, "seq": 1, "stored": 5, "removed": []},
+        ["not", "an", "object"],
+    ],
+)
+async def test_a_malformed_block_report_costs_its_replica_its_table_and_not_the_poll(malformed: Any) -> None:
+    """A report the driver cannot read (a worker of another version, a bug) is not applied in part: that
+    replica's table is forgotten and its next report asked for from the start; the other replica's report is
+    applied, the counts exported, and the next poll runs."""
+    pool = FakePool(replicas=2)
+    asked: list[tuple[int, list[int] | None]] = []
+    good = {"epoch": 3, "seq": 2, "reset": False, "stored": [], "removed": []}
+    reports: dict[int, Any] = {0: malformed, 1: good}
+
+    async def engine_stats(
+        replica: int, timeout: float, blocks_since: list[int] | None = None
+    ) -> dict[str, Any]:
+        asked.append((replica, blocks_since))
+        return {
+            "requests_running": 1,
+            "requests_waiting": 0,
+            "block_size": BLOCK,
+            "prefix_blocks": reports[replica],
+        }
+
+    pool.engine_stats = engine_stats  # type: ignore[method-assign]
+    r = router(pool)
+    service = GenerationService(pool, r, r._metrics, timeout_s=60)
+    placed = route_together(r, {u: chat(u, f"Conversation {u}. " * 10) for u in range(8)})
+    assert set(placed.values()) == {0, 1}
+    service._blocks_seen[0] = [3, 1]
+    await service.poll_once()  # does not raise
+    assert r.table.size(0) == 0 and r.table.size(1) > 0
+    assert r._metrics.registry.get_sample_value("iwg_requests_running") == 1  # replica 1's count
+    reports[0] = good
+    asked.clear()
+    await service.poll_once()
+    assert dict(asked) == {0: [], 1: [3, 2]}

@@ -220,18 +220,23 @@ class GenerationService:
             except Exception as exc:
                 log.debug("engine stats of replica %d: %s", replica, exc)
                 continue
-            self.router.observe_engine(
-                replica,
-                int(
-                    stats.get("streams", stats.get("requests_running", 0) + stats.get("requests_waiting", 0))
-                ),
-                int(stats.get("block_size", 0)) or None,
-            )
-            self._count_prefix_cache(replica, stats)
-            self._follow_blocks(replica, stats)
-            running += int(stats.get("requests_running", 0))
-            waiting += int(stats.get("requests_waiting", 0))
-            usages.append(float(stats.get("kv_cache_usage", 0.0)))
+            try:
+                counts = _engine_counts(stats)
+                blocks = _block_report(stats.get("prefix_blocks"))
+            except (KeyError, TypeError, ValueError) as exc:
+                # One replica's malformed report (a worker of another version, a bug) costs that replica its
+                # table and this poll, not the poll loop: its next report is asked for from the start.
+                log.warning("engine stats of replica %d ignored, malformed: %r", replica, exc)
+                self.router.forget_prefixes(replica)
+                self._blocks_seen.pop(replica, None)
+                continue
+            self.router.observe_engine(replica, counts.streams, counts.block_size)
+            self._count_prefix_cache(replica, counts.prefix)
+            if blocks is not None:
+                self._follow_blocks(replica, blocks)
+            running += counts.running
+            waiting += counts.waiting
+            usages.append(counts.kv_usage)
             self.metrics.kv_cache_usage.labels(replica=str(replica)).set(usages[-1])
         for gauge, value in (
             (self.metrics.requests_running, running),
@@ -242,16 +247,11 @@ class GenerationService:
         ):
             gauge.set(value)
 
-    def _count_prefix_cache(self, replica: int, stats: dict[str, Any]) -> None:
-        """Add what `replica`'s engine counted since the last poll to the driver's counters (an engine that
-        counts less than last time was restarted: all it counts is new)."""
-        if "prefix_cache_queries" not in stats:
+    def _count_prefix_cache(self, replica: int, now: tuple[int, int, int] | None) -> None:
+        """Add what `replica`'s engine counted since the last poll (prefix-cache queries, hits, evictions) to the
+        driver's counters (an engine that counts less than last time was restarted: all it counts is new)."""
+        if now is None:
             return
-        now = (
-            int(stats["prefix_cache_queries"]),
-            int(stats.get("prefix_cache_hits", 0)),
-            int(stats.get("prefix_cache_evictions", 0)),
-        )
         before = self._prefix_counts.get(replica, (0, 0, 0))
         if now[0] < before[0]:
             before = (0, 0, 0)
@@ -261,22 +261,82 @@ class GenerationService:
         if now[2] > before[2]:  # the engine dropped every finished request's blocks: so does the table
             self.router.forget_prefixes(replica)
 
-    def _follow_blocks(self, replica: int, stats: dict[str, Any]) -> None:
-        """Apply what `replica`'s engine reported of its prefix cache (``prefix_blocks``: the driver hashes
-        stored and evicted since the last report; ``reset``: start again from what it holds now)."""
-        report = stats.get("prefix_blocks")
-        if not isinstance(report, dict):
-            return
-        if report.get("reset"):
+    def _follow_blocks(self, replica: int, report: BlockReport) -> None:
+        """Apply what `replica`'s engine reported of its prefix cache: the driver hashes stored and evicted
+        since the last report, after forgetting all it held if the report is a reset."""
+        if report.reset:
             self.router.forget_prefixes(replica)
-        stored, removed = list(report.get("stored") or ()), list(report.get("removed") or ())
-        self.router.follow_blocks(replica, stored, removed)
-        self._blocks_seen[replica] = [int(report["epoch"]), int(report["seq"])]
-        for event, hashes in (("stored", stored), ("evicted", removed)):
+        self.router.follow_blocks(replica, report.stored, report.removed)
+        self._blocks_seen[replica] = [report.epoch, report.seq]
+        for event, hashes in (("stored", report.stored), ("evicted", report.removed)):
             if hashes:
                 self.metrics.routing_blocks_reported.labels(replica=str(replica), event=event).inc(
                     len(hashes)
                 )
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """One replica's engine counts, read from its ``engine_stats`` reply."""
+
+    streams: int  # requests it holds, of every driver
+    running: int
+    waiting: int
+    kv_usage: float
+    block_size: int | None
+    prefix: tuple[int, int, int] | None  # prefix-cache queries, hits, evictions; None where not counted
+
+
+@dataclass(frozen=True)
+class BlockReport:
+    """What an engine reported of its prefix cache since the position a driver asked from (``prefix_blocks``)."""
+
+    epoch: int
+    seq: int
+    reset: bool
+    stored: list[int]
+    removed: list[int]
+
+
+def _engine_counts(stats: dict[str, Any]) -> EngineCounts:
+    """The counts of an ``engine_stats`` reply; raises KeyError, TypeError or ValueError on a malformed one."""
+    if not isinstance(stats, dict):
+        raise TypeError(f"engine stats are a {type(stats).__name__}, not an object")
+    running, waiting = int(stats.get("requests_running", 0)), int(stats.get("requests_waiting", 0))
+    prefix = None
+    if "prefix_cache_queries" in stats:
+        prefix = (
+            int(stats["prefix_cache_queries"]),
+            int(stats.get("prefix_cache_hits", 0)),
+            int(stats.get("prefix_cache_evictions", 0)),
+        )
+    return EngineCounts(
+        streams=int(stats.get("streams", running + waiting)),
+        running=running,
+        waiting=waiting,
+        kv_usage=float(stats.get("kv_cache_usage", 0.0)),
+        block_size=int(stats.get("block_size", 0)) or None,
+        prefix=prefix,
+    )
+
+
+def _block_report(report: Any) -> BlockReport | None:
+    """An engine's ``prefix_blocks`` report, checked whole before any of it is applied (None: the engine sent
+    none); raises KeyError, TypeError or ValueError on a malformed one."""
+    if report is None:
+        return None
+    if not isinstance(report, dict):
+        raise TypeError(f"prefix_blocks is a {type(report).__name__}, not an object")
+    stored, removed = report.get("stored") or [], report.get("removed") or []
+    if not isinstance(stored, list) or not isinstance(removed, list):
+        raise TypeError("prefix_blocks.stored and .removed must be lists")
+    return BlockReport(
+        epoch=int(report["epoch"]),
+        seq=int(report["seq"]),
+        reset=bool(report.get("reset")),
+        stored=[int(h) for h in stored],
+        removed=[int(h) for h in removed],
+    )
 
 
 async def _shielded(call: Any) -> None:
