@@ -344,6 +344,12 @@ def plan_pods(
     for view in kept:
         if view.outdated or view.index in replacing or view.index in torn_down:
             continue
+        if desired.whole_replicas and view.world_size > 1 and view.terminating:
+            # Rebuilt whole: a rank made while another of the old ones still terminates would find the
+            # replica broken (a live rank beside a terminating one) and be torn down in turn, and again for
+            # each old rank that leaves later: the replica never forms (seen on real kubelets, whose ranks
+            # take their grace periods to go one by one).
+            continue
         create.extend((view.index, rank) for rank in view.missing_ranks)
 
     waiting = any(view.terminating for view in views.values())

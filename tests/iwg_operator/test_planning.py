@@ -156,6 +156,18 @@ def test_a_replica_that_lost_a_rank_is_torn_down_with_restart_policy_replica() -
         assert [p.name for p in plan.delete] == ["g-r1-w0"] and plan.create == (), plan
     gone = [*full(1, 2), pod(1, 0, terminating=True), pod(1, 1, terminating=True)]
     assert plan_pods(whole, gone).create == () and plan_pods(whole, full(1, 2)).create == ((1, 0), (1, 1))
+    # The old ranks leave one at a time (each its grace period): none of the new ones is made until the last
+    # old one is gone, or it would be torn down beside the one still terminating, over and over.
+    three = Desired(1, 3, REV, 1, whole_replicas=True)
+    for leaving in (
+        [pod(0, 0, terminating=True), pod(0, 2, terminating=True)],
+        [pod(0, 2, terminating=True)],
+    ):
+        plan = plan_pods(three, leaving)
+        assert plan.create == () and plan.delete == () and plan.waiting_for_termination, plan
+    assert plan_pods(three, []).create == ((0, 0), (0, 1), (0, 2))
+    # Replaced rank by rank (restartPolicy Pod), a missing rank is made beside one still terminating.
+    assert plan_pods(Desired(1, 3, REV, 1), [pod(0, 0), pod(0, 2, terminating=True)]).create == ((0, 1),)
     # A rank missing beside ranks not Ready yet is still to be created; restartPolicy Pod and worldSize 1 keep
     # the running ranks; nothing is torn down in a whole group.
     assert plan_pods(whole, [*full(1, 2), pod(1, 0, ready=False)]).create == ((1, 1),)
