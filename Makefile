@@ -57,7 +57,7 @@ test: lint cluster-bins node-deps
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
-# The example group through a local control plane, the operator and the node agent (needs root).
+# The example groups through a local control plane, two real nodes (kubelet, containerd) and the operator (needs root).
 demo: setup cluster-bins node-deps
 	$(BIN)/python -m examples.cluster_demo
 

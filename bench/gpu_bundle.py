@@ -70,7 +70,6 @@ RUNTIME = (
     "pytest-asyncio",
     "pytest-timeout",
     "kubernetes>=30.1",
-    "dnslib>=0.9.24",
     "kopf>=1.45",
 )
 MARKER_ENV = {

@@ -16,7 +16,6 @@ from tests.cluster.fixtures import (
     pytest_terminal_summary,
     scheduler,
 )
-from tests.nodeagent.fixture import node_agent
 
 __all__ = [
     "control_plane",
@@ -27,7 +26,6 @@ __all__ = [
     "gpu_nodes",
     "k8s",
     "namespace",
-    "node_agent",
     "pytest_terminal_summary",
     "scheduler",
 ]

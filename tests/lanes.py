@@ -1,14 +1,14 @@
 """`make test`: the suite as four pytest processes side by side, so the cluster tests' waits overlap the
 worker tests' computing.
 
-The tests marked ``cluster`` (control plane, node agent, real kubelets, e2e groups) mostly wait: health
+The tests marked ``cluster`` (control plane, real kubelets, groups serving on them) mostly wait: health
 periods, drain windows, autoscaler windows, node controllers. The others (workers, engines, drivers, real
 models) mostly compute. One after the other, the machine's two cores were busy 44% of the suite's time. The
-lanes (RULES): the e2e groups, the other cluster tests (real kubelets included), the engine and driver tests
-(real models, vLLM included), the rest. Each lane is its own pytest process and starts what it uses: its own
-control plane on ports from the kernel, its own node agent (a random free /24, its own namespaces and
-bridges); a real-kubelet cluster has its fixed fabric in network and mount namespaces of its own, so one in
-the e2e lane (tests/realnodes/test_autoscaling.py) and one in the cluster lane do not meet.
+lanes (RULES): three real-node modules with clusters of their own (e2e: autoscaling, vLLM's engine, the
+sharded group's drains), the other cluster tests (real kubelets included), the engine and driver tests (real
+models, vLLM included), the rest. Each lane is its own pytest process and starts what it uses: its own
+control plane on ports from the kernel; a real-kubelet cluster has its fixed fabric in network and mount
+namespaces of its own, so one in the e2e lane and one in the cluster lane do not meet.
 Other splits were slower here (docs/development.md, "The suite in lanes"): seven lanes with OMP_NUM_THREADS=1
 (load 16 on two cores, four timing failures); four with the driver's stream tests moved to the worker lane and
 OMP_NUM_THREADS=1; five with the e2e groups in two (load 12: the worker and e2e lanes 2-3 minutes longer, a
@@ -42,7 +42,11 @@ NO_TESTS_COLLECTED = 5
 # (lane, whether its tests are cluster-marked, paths under tests/ it takes): a test goes to the first rule of
 # its kind whose paths hold it. Chosen on measured runs (docs/development.md, "The suite in lanes").
 RULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("e2e", True, ("e2e/", "realnodes/test_autoscaling.py", "realnodes/test_vllm_engine.py")),
+    (
+        "e2e",
+        True,
+        ("realnodes/test_autoscaling.py", "realnodes/test_vllm_engine.py", "realnodes/test_drain_sharded.py"),
+    ),
     ("cluster", True, ("",)),
     ("engine", False, ("iwg_worker/driver/", "iwg_worker/engine/")),
     ("worker", False, ("",)),

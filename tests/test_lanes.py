@@ -15,8 +15,8 @@ from tests import lanes
 @pytest.mark.parametrize(
     ("path", "cluster", "lane"),
     [
-        ("e2e/test_drain.py", True, "e2e"),
-        ("e2e/test_selfheal.py", True, "e2e"),
+        ("realnodes/test_drain_sharded.py", True, "e2e"),
+        ("realnodes/test_vllm_engine.py", True, "e2e"),
         ("realnodes/test_real_nodes.py", True, "cluster"),
         (
             "realnodes/test_autoscaling.py",

@@ -13,7 +13,8 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.e2e.harness import Load, eventually
+from tests.cluster.waiting import eventually
+from tests.e2e.harness import Load
 from tests.iwg_operator.conftest import Groups
 
 DOWN_WINDOW_S = 20

@@ -1,5 +1,5 @@
-"""`kubectl drain` of each node in turn under load, seen as a client in the cluster sees it (the node agent's
-e2e tests, tests/e2e/test_drain.py, and the real nodes', tests/realnodes/test_day2.py)."""
+"""`kubectl drain` of each node in turn under load, seen as a client in the cluster sees it (the real nodes'
+tests: tests/realnodes/test_day2.py, tests/realnodes/test_drain_sharded.py)."""
 
 from __future__ import annotations
 

@@ -4,35 +4,15 @@ counts every failure, and faults injected into real worker processes.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dnslib import QTYPE, DNSRecord
-from iwg_operator.builders.common import driver_name
 from kubernetes import client
 from openai import OpenAI
 
-from tests.cluster.waiting import eventually
-
 T = TypeVar("T")
-
-
-DNS_TIMEOUT_S = 10.0  # a stalled node agent (a loaded machine) answers late, not never
-
-
-def resolve(dns_server: str, name: str) -> list[str]:
-    """Asks the cluster DNS (the node agent's server) as a pod's resolver would."""
-    reply = DNSRecord.parse(DNSRecord.question(name, "A").send(dns_server, 53, timeout=DNS_TIMEOUT_S))
-    return [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A]
-
-
-def driver_address(dns_server: str, namespace: str, group: str) -> str | None:
-    found = resolve(dns_server, f"{driver_name(group)}.{namespace}.svc.cluster.local")
-    return found[0] if found else None
 
 
 def openai_client(address: str, port: int = 8000, timeout: float = 60, max_retries: int = 0) -> OpenAI:
@@ -63,17 +43,6 @@ def live_ready_workers(core: client.CoreV1Api, namespace: str, group: str) -> li
         for p in worker_pods(core, namespace, group)
         if p.metadata.deletion_timestamp is None and pod_ready(p)
     ]
-
-
-def process_of(pod: Any) -> int:
-    """The pid of the pod's container (the node agent reports it as the container id)."""
-    return int(pod.status.container_statuses[0].container_id.split("//", 1)[1])
-
-
-def signal_worker(pod: Any, sig: signal.Signals) -> int:
-    pid = process_of(pod)
-    os.kill(pid, sig)
-    return pid
 
 
 @dataclass
@@ -170,23 +139,6 @@ def joined(stream: Any) -> tuple[str, str | None]:
     return text, finish
 
 
-def diagnose(agent: Any, core: client.CoreV1Api, namespace: str) -> str:
-    """Everything worth reading when an end-to-end test fails."""
-    lines = ["==== pods"]
-    for pod in core.list_namespaced_pod(namespace).items:
-        statuses = [
-            (s.name, s.ready, s.restart_count, s.state.to_dict()) for s in pod.status.container_statuses or []
-        ]
-        lines.append(f"{pod.metadata.name} node={pod.spec.node_name} phase={pod.status.phase} {statuses}")
-        lines.extend(
-            f"  {c.type}={c.status} {c.reason or ''} {c.message or ''}" for c in pod.status.conditions or []
-        )
-    lines.append("==== node agent")
-    lines.append(agent.log_tail(30))
-    lines.append(agent.pod_logs(namespace, lines=25))
-    return "\n".join(lines)
-
-
 def group_manifest(name: str, example: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     """`example` (default examples/minilm.yaml) under another name, with spec fields replaced (top level, then
     one level down)."""
@@ -207,37 +159,6 @@ def group_manifest(name: str, example: dict[str, Any] | None = None, **spec: Any
         else:
             manifest["spec"][key] = value
     return dict(manifest)
-
-
-def wait_serving(
-    groups: Any, core: client.CoreV1Api, agent: Any, name: str, replicas: int, timeout: float = 180
-) -> str:
-    """Waits until `replicas` replicas and the driver are ready; returns the driver's address."""
-    namespace = groups.namespace
-    try:
-        eventually(
-            lambda: (groups.get(name).get("status") or {}).get("readyReplicas") == replicas,
-            timeout,
-            f"{replicas} replica(s) of {name} ready",
-        )
-        eventually(
-            lambda: [p for p in driver_pods(core, namespace, name) if pod_ready(p)],
-            timeout,
-            "the driver ready",
-        )
-        address = eventually(
-            lambda: driver_address(agent.gateway, namespace, name), 60, "driver DNS name", tolerate=(OSError,)
-        )
-        api = openai_client(address)
-        eventually(
-            lambda: answers(api, groups.get(name)["spec"]["model"]),
-            timeout,
-            "the driver to answer with all replicas",
-            interval=1.0,
-        )
-        return address
-    except AssertionError as error:
-        raise AssertionError(f"{error}\n{diagnose(agent, core, namespace)}") from None
 
 
 def answers(api: OpenAI, model: dict[str, Any]) -> bool:

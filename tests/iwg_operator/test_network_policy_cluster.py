@@ -1,7 +1,8 @@
 """The workers' NetworkPolicy on the real API server: egress fenced by default, accepted as built, opened in place.
 
-The test stack's node agent does not enforce NetworkPolicies (no packet filter in its network namespaces), so
-this checks what the API server stores, not what packets pass; docs/operations.md says what is fenced.
+The test stack enforces no NetworkPolicy (its real nodes wire pods with the bridge CNI plugin, which has no
+policy engine), so this checks what the API server stores, not what packets pass; docs/operations.md says what
+is fenced.
 """
 
 from __future__ import annotations

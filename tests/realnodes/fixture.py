@@ -24,10 +24,12 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.control_plane import CONTROLLERS, ControlPlane
 from tests.iwg_operator.conftest import Groups, install_crd
-from tests.realnodes.nodes import RealNodes
+from tests.realnodes.nodes import WORKER_IMAGE, RealNodes
 
 NAMESPACE = "realnodes"
-AUTOSCALE_INTERVAL_S = "1"  # the test clusters' autoscaler looks every second (as the e2e tests' operator)
+AUTOSCALE_INTERVAL_S = "1"  # the test clusters' autoscaler looks every second
+# The light image every node imported (tests/realnodes/image.sh); the kubelet must not try to pull it.
+LIGHT = {"image": WORKER_IMAGE, "imagePullPolicy": "Never"}
 
 
 def spread_workers(group: str) -> dict[str, Any]:
@@ -211,6 +213,21 @@ class RealCluster:
             f"a driver of {group} ready",
         )
         return ready[0]
+
+
+def smollm2_on_a_volume(
+    cluster: RealCluster, name: str, world_size: int, health: dict[str, Any]
+) -> dict[str, Any]:
+    """The sharded SmolLM2 group on the light image, its converted model on a volume (a hostPath
+    PersistentVolume of the host's directory; the pods see nothing else of the host's caches)."""
+    from tests.e2e.harness import sharded_smollm2
+
+    manifest = sharded_smollm2(name, world_size, health)
+    spec = manifest["spec"]
+    spec["worker"] = {**spec["worker"], **LIGHT}
+    volume = cluster.model_volume("smollm2", Path(spec["model"]["path"]))
+    spec["model"] = {**spec["model"], "volume": volume, "path": volume["mountPath"]}
+    return manifest
 
 
 @contextlib.contextmanager

@@ -51,7 +51,6 @@ from tests.cluster.control_plane import (
     kill_until_gone,
     stop_processes,
 )
-from tests.nodeagent.fixture import POD_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGE_SCRIPT = Path(__file__).resolve().parent / "image.sh"
@@ -67,9 +66,18 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GPU_RESOURCE = "nvidia.com/gpu"
 CTR = "ctr --address /run/containerd/containerd.sock --namespace k8s.io"
-# What every container gets besides its own env (the base runtime spec's; image and pod env come after): the
-# node agent's pod env (no model hubs, one thread per process on a shared machine, the repository importable).
-CONTAINER_ENV = POD_ENV
+# What every container gets besides its own env (the base runtime spec's; image and pod env come after): no
+# model hubs, one thread per process (the machine has 2 cores shared by everything), unbuffered output for the
+# logs, and the repository importable (test-only worker classes: tests/realnodes/faulty_worker.py).
+CONTAINER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": str(REPO_ROOT),
+}
 
 
 def images() -> Path:

@@ -35,14 +35,11 @@ from tests.e2e.harness import (
 )
 from tests.iwg_operator.conftest import Groups
 from tests.models import smollm2_manifest
-from tests.realnodes.fixture import RealCluster, cluster, real_cluster
-from tests.realnodes.nodes import WORKER_IMAGE
+from tests.realnodes.fixture import LIGHT, RealCluster, cluster, real_cluster
 
 __all__ = ["cluster", "real_cluster"]
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-LIGHT = {"image": WORKER_IMAGE, "imagePullPolicy": "Never"}
 
 
 def test_load_step_scales_up_to_max_then_down_after_the_window_without_losing_requests(

@@ -5,10 +5,8 @@ every refused connection, cut request and 503 counts.
 `kubectl drain` of each node in turn under load: the real control plane's eviction API and disruption
 controller (the workers' and drivers' PodDisruptionBudgets) and the kubelets' graceful termination. Each drain
 finishes within kubectl's timeout, the group's pods end on the other node, no request fails, and at no moment
-during a drain is no worker replica Ready. The same test of a SmolLM2 group sharded over 3 ranks stays on the
-node agent (tests/e2e/test_drain.py): its six ranks of 500m and two drivers (requests equal to limits) do not
-fit one real 2-CPU node once the other is drained; a third node, or smaller ranks, would bring it here (not
-tried).
+during a drain is no worker replica Ready. The same test of a SmolLM2 group sharded over 3 ranks is
+tests/realnodes/test_drain_sharded.py (a cluster of its own in the e2e lane).
 
 `kubectl scale` lowering replicas under load: the operator drains the leaving replica in every driver before it
 deletes its pods, so no batch in flight is cut (no driver retries one) and no request fails; a driver that

@@ -1,4 +1,4 @@
-"""A group's pods run by real kubelets and containerd (tests/realnodes/nodes.py), not the node agent: what
+"""A group's pods run by real kubelets and containerd (tests/realnodes/nodes.py): what
 the operator writes into a pod is what a real node enforces. The pods run the light image (Debian
 libraries; the test environment and its Python bind-mounted read-only), see nodes.py."""
 

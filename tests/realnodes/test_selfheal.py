@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,19 +30,24 @@ from tests.e2e.harness import (
     group_manifest,
     live_ready_workers,
     pod_ready,
-    sharded_smollm2,
     true_condition,
     worker_pods,
 )
 from tests.realnodes.faulty_worker import FAULT_FILE
-from tests.realnodes.fixture import RealCluster, cluster, real_cluster, spread_workers
-from tests.realnodes.nodes import GPU_RESOURCE, WORKER_IMAGE
+from tests.realnodes.fixture import (
+    LIGHT,
+    RealCluster,
+    cluster,
+    real_cluster,
+    smollm2_on_a_volume,
+    spread_workers,
+)
+from tests.realnodes.nodes import GPU_RESOURCE
 
 __all__ = ["cluster", "real_cluster"]
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-LIGHT = {"image": WORKER_IMAGE, "imagePullPolicy": "Never"}
 GPUS_PER_NODE = 1
 
 
@@ -56,19 +60,6 @@ def embedding_group(name: str, replicas: int, health: dict[str, Any], **worker: 
         worker={**LIGHT, "cpu": "500m", **worker},
         driver={"cpu": "500m"},
     )
-
-
-def smollm2_on_a_volume(
-    cluster: RealCluster, name: str, world_size: int, health: dict[str, Any]
-) -> dict[str, Any]:
-    """The sharded SmolLM2 group on the light image, its converted model on a volume (a hostPath
-    PersistentVolume of the host's directory; the pods see nothing else of the host's caches)."""
-    manifest = sharded_smollm2(name, world_size, health)
-    spec = manifest["spec"]
-    spec["worker"] = {**spec["worker"], **LIGHT}
-    volume = cluster.model_volume("smollm2", Path(spec["model"]["path"]))
-    spec["model"] = {**spec["model"], "volume": volume, "path": volume["mountPath"]}
-    return manifest
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
