@@ -142,9 +142,6 @@ class Supervisor:
             metrics.pod_replaced(
                 "device_fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
             )
-            metrics.pod_replaced(
-                "device-fault" if replacement.device_fault else "unhealthy", len(replacement.pods)
-            )
             await self.controller.post_event(state, "Warning", "WorkerUnhealthy", message, once=False)
         if result.exhausted:
             await self.controller.post_event(state, "Warning", "RestartBudgetExhausted", result.exhausted)
