@@ -174,11 +174,42 @@ class RealCluster:
             self.ready_driver(group, timeout)
             port = self.service_port(group)
             api = openai_client("127.0.0.1", port)
-            model = self.groups.get(group)["spec"]["model"]
-            eventually(lambda: answers(api, model), timeout, "the driver's Service to answer", interval=1.0)
+            spec = self.groups.get(group)["spec"]
+            eventually(
+                lambda: answers(api, spec["model"]), timeout, "the driver's Service to answer", interval=1.0
+            )
+            # Ready pods are the operator's view; a test that faults one replica assumes every driver routes to
+            # the others already (a worker joins a driver by its own connection, which can lag on a loaded
+            # machine).
+            eventually(
+                lambda: self.drivers_serving(group, (spec.get("driver") or {}).get("port", 8000)) >= replicas,
+                timeout,
+                f"every ready driver of {group} routing to {replicas} replica(s)",
+                interval=0.5,
+            )
             return port
         except AssertionError as error:
             raise AssertionError(f"{error}\n{self.diagnose()}") from None
+
+    def drivers_serving(self, group: str, port: int = 8000) -> int:
+        """The fewest replicas any ready driver pod of `group` routes to (its /readyz); 0 while none is ready or
+        one does not answer."""
+        import json
+        import urllib.request
+
+        from tests.e2e.harness import driver_pods, pod_ready
+
+        counts = []
+        for pod in driver_pods(self.core, self.namespace, group):
+            if pod.metadata.deletion_timestamp is not None or not pod_ready(pod) or not pod.status.pod_ip:
+                continue
+            try:
+                local = self.nodes.forward(pod.status.pod_ip, port)
+                with urllib.request.urlopen(f"http://127.0.0.1:{local}/readyz", timeout=5) as response:
+                    counts.append(len(json.load(response)["serving_replicas"]))
+            except (OSError, ValueError, KeyError):  # HTTPError (503: not ready) is an OSError
+                return 0
+        return min(counts, default=0)
 
     def diagnose(self) -> str:
         """Everything worth reading when a test on these nodes fails."""
@@ -198,6 +229,13 @@ class RealCluster:
             "custom-columns=OBJ:.involvedObject.name,R:.reason,M:.message",
         )
         lines += ["==== events", events.stdout[-3000:], "==== operator", self.operator_log(30)]
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            driver = pod.metadata.labels.get("app.kubernetes.io/component") == "driver"
+            tail = "--tail=40" if driver else "--tail=12"
+            logs = self.control_plane.kubectl(
+                "logs", "-n", self.namespace, tail, pod.metadata.name, check=False
+            )
+            lines += [f"==== log of {pod.metadata.name}", (logs.stdout + logs.stderr)[-6000:]]
         for node in self.nodes.names:
             lines += [f"==== {node} kubelet", self.nodes.log_tail(f"{node}-kubelet", 10)]
         return "\n".join(lines)

@@ -67,7 +67,10 @@ def test_a_killed_or_hung_worker_is_replaced_under_load_without_failed_requests(
     fault: signal.Signals, cluster: RealCluster
 ) -> None:
     groups, core = cluster.groups, cluster.core
-    name = "heal"
+    # A name of its own per case: a group made again under the name of one just deleted had, in 3 of 6 runs, a
+    # worker on the other node than its driver never joining that driver (docs/operations.md, "Deleting and
+    # re-creating a group").
+    name = f"heal-{fault.name.lower()}"
     cluster.apply(embedding_group(name, 2, FAST_HEALTH))
     port = cluster.wait_serving(name, replicas=2)
     time.sleep(PERIOD * 2)  # the prober has seen every worker healthy: it supervises them
@@ -89,7 +92,7 @@ def test_a_killed_or_hung_worker_is_replaced_under_load_without_failed_requests(
         f"{fault.name}: detected after {recovery.detected_s:.2f}s, serving in full after {recovery.ready_s:.2f}s; "
         f"{load.ok} answered"
     )
-    assert load.failures == [], load.failures[:5]
+    assert load.failures == [], f"{load.failures[:5]}\n{cluster.diagnose()}"
     assert load.ok > 10
     if fault is signal.SIGSTOP:
         # Worst case: the stop lands just after a healthy answer; THRESHOLD rounds later the last probe times
