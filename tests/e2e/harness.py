@@ -57,6 +57,7 @@ class Load:
     timeout: float = 60.0  # seconds the client waits for an answer (a stream: for each of its chunks)
     port: int = 8000
     max_retries: int = 0  # the openai client's retries (its default is 2); a failure counts after the last
+    pause_s: float = 0.0  # each client's wait between an answer and its next request
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     failed_at: list[float] = field(default_factory=list)  # when each failed request was sent (monotonic)
@@ -90,6 +91,8 @@ class Load:
                     self.failures.append(f"{type(error).__name__}: {error}")
                     self.failed_at.append(started)
                     self.failed_done.append(time.monotonic())
+            if self.pause_s:
+                self._stop.wait(self.pause_s)
 
     def request(self, api: OpenAI, index: int, n: int) -> None:
         """One request of client `index`; raises on anything but the right answer."""

@@ -3,8 +3,8 @@
 group's drains are tests/realnodes/test_day2.py.
 
 2 replicas x 3 ranks and 2 drivers, a quarter CPU each (requests equal to limits), so that all eight fit one
-2-CPU node once the other is drained. Clients reach the group through its Service (the first node's
-kube-proxy) with the openai client's default 2 retries. An eviction takes one rank; the operator tears that
+2-CPU node once the other is drained. A client streams 4-token answers through the group's Service (the first
+node's kube-proxy) with the openai client's default 2 retries. An eviction takes one rank; the operator tears that
 rank's replica down and builds it whole on the other node; the workers' budget (minAvailable 5 of 6 pods)
 refuses the next eviction until it serves. Each drain finishes within kubectl's timeout, the group ends on the
 other node, no stream fails, and at every look (0.2 s) at least one replica has all three ranks Ready.
@@ -40,12 +40,16 @@ def test_draining_each_real_node_moves_a_world_size_3_group_a_replica_at_a_time_
     spec["driver"] = {**spec.get("driver", {}), "replicas": 2, "cpu": QUARTER_CPU}
     cluster.apply(manifest)
     port = cluster.wait_serving(name, replicas=2, timeout=SERVING_TIMEOUT_S)
-    # One client streaming without pause: a request always running or arriving.
+    # One client streaming short answers with a 2-s pause between them. In the whole suite, 16-token streams
+    # without pause kept the six quarter-CPU ranks busy through both drains: they slowed every other lane (Ray
+    # could not start in its 30 s), and one stream outlasted its rank's 30-s drain under that load (CI of
+    # fbf275a). Four tokens take a few seconds; the drains still meet several streams in flight.
     load = ChatLoad(
         "127.0.0.1",
         "smollm2",
         clients=1,
-        max_tokens=16,
+        max_tokens=4,
+        pause_s=2.0,
         port=port,
         timeout=120,
         max_retries=2,
