@@ -7,12 +7,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kubernetes import client
 from openai import OpenAI
-
-T = TypeVar("T")
 
 
 def openai_client(address: str, port: int = 8000, timeout: float = 60, max_retries: int = 0) -> OpenAI:
